@@ -1,0 +1,144 @@
+"""The `cgcompile` torch.compile backend: split, compile the capturable pieces, wire a runtime.
+
+`Backend.__call__` is what Dynamo calls with each graph it captures; it reads as the
+steps it takes. Everything it decides is recorded in `stats` and `pieces`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch
+
+from . import dump
+from .compat import is_static_address
+from .config import Config
+from .errors import ConfigError
+from .piece import BackendStats, Piece
+from .piece_compiler import PieceCompiler, describe_input
+from .passes import CaptureDim, SplitGraph, classify_nodes, example_value, find_capture_dim, split_graph
+from .runtime import GraphRuntime, PieceRunner, build_runner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphAnalysis:
+    """What the backend learned about one Dynamo graph before splitting it."""
+
+    capture_dim: CaptureDim | None
+    static_inputs: frozenset[str]  # placeholder names of parameters and buffers
+    device: torch.device  # the accelerator the graph runs on, or cpu
+    cudagraphs: bool
+
+
+class Backend:
+    """A torch.compile backend object: `torch.compile(model, backend=Backend(config))`.
+
+    One Backend owns one CUDA graph pool that every graph it captures shares (pass
+    `pool` to share it with other graph users). Use one Backend per model.
+    """
+
+    def __init__(self, config: Config | None = None, *, pool: Any = None):
+        self.config = config or Config()
+        self.stats = BackendStats()
+        self.pieces: list[Piece] = []
+        self.runtimes: list[GraphRuntime] = []
+        self._compiler = PieceCompiler(self.config.compiler)
+        self._pool = pool
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graph_index = self.stats.graphs_seen
+        self.stats.graphs_seen += 1
+        analysis = self._analyse(gm, example_inputs)
+        split = self._split(gm, analysis)
+        runners = self._build_runners(graph_index, split, analysis)
+        runtime = GraphRuntime(split.stitch, runners)
+        self.runtimes.append(runtime)
+        self._dump(graph_index, gm, split, analysis)
+        return runtime
+
+    # -- steps ---------------------------------------------------------------------------
+
+    def _analyse(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphAnalysis:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        static = frozenset(n.name for n, x in zip(placeholders, example_inputs) if is_static_address(x))
+        try:
+            capture_dim = find_capture_dim(
+                gm, static, self.config.capture_input, self.config.capture_input_dim
+            )
+        except LookupError as e:
+            raise ConfigError(f"capture_input: {e}") from e
+        device = _graph_device(gm)
+        cudagraphs = device.type == "cuda" if self.config.cudagraphs is None else self.config.cudagraphs
+        if cudagraphs and device.type != "cuda":
+            raise ConfigError(
+                f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
+                f"move the model and inputs to CUDA or leave cudagraphs=None"
+            )
+        return GraphAnalysis(capture_dim, static, device, cudagraphs)
+
+    def _split(self, gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> SplitGraph:
+        mutable = frozenset(
+            n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
+        )
+        eager = classify_nodes(
+            gm,
+            op_reason=self.config.split_ops.reason,
+            capture_symbol=analysis.capture_dim.symbol if analysis.capture_dim else None,
+            on_accelerator=analysis.device.type != "cpu",
+            mutable_inputs=mutable,
+        )
+        return split_graph(gm, eager)
+
+    def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis) -> list[PieceRunner]:
+        runners = []
+        for spec in split.pieces:
+            piece = _record_piece(graph_index, spec)
+            self.pieces.append(piece)
+            self.stats.pieces += 1
+            fn = spec.graph
+            if spec.capturable:
+                self.stats.capturable_pieces += 1
+                fn = self._compiler.compile(spec)
+                self.stats.compilations = self._compiler.compilations
+            runners.append(build_runner(piece, spec, fn, analysis, self))
+        if not any(s.capturable for s in split.pieces):
+            log.warning(
+                "cgcompile: graph %d has no capturable piece; it runs eagerly. Reasons: %s",
+                graph_index,
+                "; ".join(p.reason or "" for p in self.pieces if p.graph_index == graph_index),
+            )
+        return runners
+
+    def _dump(self, graph_index, gm, split, analysis) -> None:
+        dump_dir = self.config.resolved_dump_dir()
+        if dump_dir:
+            pieces = [p for p in self.pieces if p.graph_index == graph_index]
+            dump.write_graph_dump(dump_dir, graph_index, gm, split, pieces, str(analysis.capture_dim))
+
+
+def _record_piece(graph_index: int, spec) -> Piece:
+    reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
+    shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
+    return Piece(f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes)
+
+
+def _graph_device(gm: torch.fx.GraphModule) -> torch.device:
+    """The first non-CPU device any tensor of the graph lives on, else cpu."""
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device
+    return torch.device("cpu")
+
+
+def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
+    """Entry point for `torch.compile(model, backend="cgcompile", options={...})`.
+
+    Each graph gets its own Backend; to share one pool, stats and compiled pieces across
+    all graphs of a model, pass `backend=cgcompile.Backend(config)` instead.
+    """
+    return Backend(Config.from_options(options))(gm, example_inputs)

@@ -1,0 +1,39 @@
+"""Every torch-version-dependent lookup lives here, so the rest of the code reads one API."""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def cudagraph_unsafe_tag():
+    """`torch.Tag.cudagraph_unsafe` where this torch has it, else None."""
+    return getattr(torch.Tag, "cudagraph_unsafe", None)
+
+
+def free_symbols(value) -> set:
+    """Sympy symbols that a fake tensor's sizes/strides or a SymInt depend on."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    return set(_free_symbols(value))
+
+
+def is_static_address(tensor) -> bool:
+    """True for the tensors Dynamo marks as living at a fixed address (parameters, buffers)."""
+    from torch._dynamo.utils import get_static_address_type
+
+    return isinstance(tensor, torch.nn.Parameter) or get_static_address_type(tensor) is not None
+
+
+def detect_fake_mode(values):
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(values)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list):
+    """Compile one piece with Inductor for the (symbolic) shapes of its fake example inputs."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -1,0 +1,117 @@
+"""The one frozen configuration object, validated when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+from .errors import ConfigError
+from .split_ops import SplitOps, normalize_op
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
+COMPILERS = ("eager", "inductor")
+DUMP_DIR_ENV = "CGCOMPILE_DUMP_DIR"
+USE_BREAKABLE_ENV = "CGCOMPILE_USE_BREAKABLE"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """How cgcompile splits, compiles and captures a model.
+
+    splitting_ops: ops to split at besides the defaults (attention in every form,
+        flash-attn ops, ops tagged `cudagraph_unsafe`): op objects or "ns::op[.overload]".
+    capture_sizes: sizes of the capture dimension that get a CUDA graph; a call of size n
+        runs padded to the smallest capture size >= n.
+    compiler: "eager" runs capturable pieces as FX code; "inductor" compiles each once.
+    cudagraphs: None = on when the graph's tensors are on CUDA.
+    dump_dir: write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR).
+    capture_input / capture_input_dim: override which graph input's dimension is the
+        capture dimension (see `cgcompile.passes.find_capture_dim` for the default rule).
+        The input is named as in the model's forward, e.g. "input_ids".
+    reuse_output_buffers: return the graphs' static output buffers instead of copies.
+        Faster, but a later call overwrites outputs the caller still holds.
+    check_addresses: on every replay, check that inputs captured by address still live
+        there, and raise naming the piece and input if not (debugging aid).
+    use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
+        pieces); the CGCOMPILE_USE_BREAKABLE environment variable overrides it.
+    """
+
+    splitting_ops: tuple[Any, ...] = ()
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    compiler: str = "inductor"
+    cudagraphs: bool | None = None
+    dump_dir: str | None = None
+    capture_input: str | None = None
+    capture_input_dim: int = 0
+    reuse_output_buffers: bool = False
+    check_addresses: bool = False
+    use_breakable: bool = False
+
+    def __post_init__(self):
+        _check_capture_sizes(self.capture_sizes)
+        if self.compiler not in COMPILERS:
+            raise ConfigError(f"compiler: expected one of {COMPILERS}, got {self.compiler!r}")
+        if self.cudagraphs not in (None, True, False):
+            raise ConfigError(f"cudagraphs: expected None, True or False, got {self.cudagraphs!r}")
+        if not isinstance(self.capture_input_dim, int) or self.capture_input_dim < 0:
+            raise ConfigError(
+                f"capture_input_dim: expected a non-negative int, got {self.capture_input_dim!r}"
+            )
+        self.split_ops  # validates every splitting op name now, not at the first compile
+
+    @functools.cached_property
+    def split_ops(self) -> SplitOps:
+        if isinstance(self.splitting_ops, (str, bytes)) or not hasattr(self.splitting_ops, "__iter__"):
+            raise ConfigError(
+                f"splitting_ops: expected a list of ops, got {self.splitting_ops!r}; "
+                f"write splitting_ops=['ns::op'] even for one op"
+            )
+        return SplitOps(frozenset(normalize_op(op) for op in self.splitting_ops))
+
+    @property
+    def max_capture_size(self) -> int:
+        return max(self.capture_sizes)
+
+    def resolved_dump_dir(self) -> str | None:
+        """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only)."""
+        return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
+
+    def resolved_use_breakable(self) -> bool:
+        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only)."""
+        value = os.environ.get(USE_BREAKABLE_ENV)
+        if value is None or value == "":
+            return self.use_breakable
+        if value not in ("0", "1"):
+            raise ConfigError(f"{USE_BREAKABLE_ENV}: expected 0 or 1, got {value!r}")
+        return value == "1"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> "Config":
+        """Build from `torch.compile(..., options={...})`; unknown keys are an error."""
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown cgcompile option(s) {unknown}; valid options are {sorted(known)}"
+            )
+        if "capture_sizes" in options:
+            options["capture_sizes"] = tuple(options["capture_sizes"])
+        if "splitting_ops" in options and isinstance(options["splitting_ops"], list):
+            options["splitting_ops"] = tuple(options["splitting_ops"])
+        return cls(**options)
+
+
+def _check_capture_sizes(sizes) -> None:
+    if not isinstance(sizes, tuple) or not sizes:
+        raise ConfigError(
+            f"capture_sizes: expected a non-empty tuple of positive ints, got {sizes!r}"
+        )
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
+    if bad:
+        raise ConfigError(f"capture_sizes: expected positive ints, got {bad}; e.g. (1, 2, 4, 8)")
+    dupes = sorted({s for s in sizes if sizes.count(s) > 1})
+    if dupes:
+        raise ConfigError(f"capture_sizes: duplicate sizes {dupes}; list each size once")

@@ -1,0 +1,68 @@
+"""Write what the backend did to disk, for people: graphs as code and a summary table.
+
+Layout, one folder per Dynamo graph:
+  DUMP_DIR/graph_<i>/original.py   the graph Dynamo captured, before splitting
+  DUMP_DIR/graph_<i>/split.py      the stitching graph that calls the pieces
+  DUMP_DIR/graph_<i>/piece_<k>.py  each piece's code
+  DUMP_DIR/graph_<i>/summary.json  one record per piece (read by `python -m cgcompile.inspect`)
+  DUMP_DIR/graph_<i>/summary.txt   the same as a table
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .piece import Piece
+
+SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")
+
+
+def _code(gm) -> str:
+    return gm.print_readable(print_output=False, include_stride=True, include_device=True)
+
+
+def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Piece], capture_dim: str) -> str:
+    folder = os.path.join(dump_dir, f"graph_{graph_index}")
+    os.makedirs(folder, exist_ok=True)
+    _write(folder, "original.py", _code(gm))
+    _write(folder, "split.py", _code(split.stitch))
+    for piece in pieces:
+        _write(folder, f"{piece.name.rsplit('.', 1)[-1]}.py", _code(piece.graph))
+    summary = {
+        "graph_index": graph_index,
+        "capture_dim": capture_dim,
+        "pieces": [
+            {
+                "piece": p.name,
+                "capturable": p.capturable,
+                "nodes": p.node_count,
+                "inputs": list(p.input_shapes),
+                "reason": p.reason,
+            }
+            for p in pieces
+        ],
+    }
+    _write(folder, "summary.json", json.dumps(summary, indent=1))
+    _write(folder, "summary.txt", format_summary(summary))
+    return folder
+
+
+def format_summary(summary: dict) -> str:
+    """A fixed-width table of one graph's pieces."""
+    rows = [
+        (p["piece"], "yes" if p["capturable"] else "no", str(p["nodes"]), ", ".join(p["inputs"]), p["reason"] or "")
+        for p in summary["pieces"]
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(SUMMARY_COLUMNS[:-1])]
+    lines = [f"graph {summary['graph_index']}: capture dimension {summary['capture_dim']}"]
+    header = list(SUMMARY_COLUMNS)
+    for row in [header] + [list(r) for r in rows]:
+        cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _write(folder: str, name: str, text: str) -> None:
+    with open(os.path.join(folder, name), "w") as f:
+        f.write(text)

@@ -1,0 +1,39 @@
+"""What the backend records: one `Piece` per piece of every Dynamo graph, and counters."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of a split graph, as users and tests inspect it.
+
+    capturable: replayed from CUDA graphs (on CUDA) or run compiled; else run eagerly.
+    reason: why the piece runs eagerly, in words (None for capturable pieces).
+    input_shapes: each input's shape with its symbols, e.g. "f32[s0, 64]".
+    """
+
+    name: str
+    graph_index: int
+    capturable: bool
+    reason: str | None
+    graph: torch.fx.GraphModule
+    input_shapes: tuple[str, ...]
+
+    @property
+    def node_count(self) -> int:
+        return sum(1 for n in self.graph.graph.nodes if n.op not in ("placeholder", "output"))
+
+
+@dataclasses.dataclass
+class BackendStats:
+    """Counters a `Backend` keeps; tests and users assert on these."""
+
+    graphs_seen: int = 0
+    pieces: int = 0
+    capturable_pieces: int = 0
+    compilations: int = 0
+    graphs_captured: int = 0

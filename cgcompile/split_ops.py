@@ -1,0 +1,112 @@
+"""Which ops end a CUDA graph piece: the defaults plus `Config.splitting_ops`.
+
+An op is named by its qualified name, "ns::op" (every overload) or "ns::op.overload".
+`SplitOps.reason(target)` is the pure predicate the split pass uses: it returns a
+sentence saying why the target is split, or None when it can be captured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .compat import cudagraph_unsafe_tag
+from .errors import ConfigError
+
+# Every form of scaled-dot-product attention that Dynamo or AOT autograd emits.
+_SDPA_FUNCTIONS = (
+    torch.nn.functional.scaled_dot_product_attention,
+    torch._C._nn.scaled_dot_product_attention,
+)
+_SDPA_ATEN_OPS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    )
+)
+# Every op in these namespaces is attention with host-side metadata.
+_SPLIT_NAMESPACES = frozenset({"flash_attn"})
+
+
+def op_names(target: Any) -> tuple[str, str] | None:
+    """("ns::op", "ns::op.overload") for a torch op object, None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target._schema.name
+        return packet, f"{packet}.{target._overloadname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name, f"{target._qualified_op_name}.default"
+    return None
+
+
+def _has_unsafe_tag(target: Any) -> bool:
+    tag = cudagraph_unsafe_tag()
+    if tag is None:
+        return False
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return any(tag in getattr(target, o).tags for o in target.overloads())
+    return isinstance(target, torch._ops.OpOverload) and tag in target.tags
+
+
+def normalize_op(op: Any) -> str:
+    """Turn an op object or an "ns::op[.overload]" string into a checked qualified name."""
+    names = op_names(op)
+    if names is not None:
+        return names[1] if isinstance(op, torch._ops.OpOverload) else names[0]
+    if not isinstance(op, str):
+        raise ConfigError(
+            f"splitting_ops: expected an op such as torch.ops.aten.mm or a string 'ns::op', "
+            f"got {op!r} of type {type(op).__name__}"
+        )
+    _lookup(op)
+    return op
+
+
+def _lookup(name: str) -> Any:
+    """Resolve "ns::op[.overload]" to the op object, with an error a user can act on."""
+    if "::" not in name:
+        raise ConfigError(
+            f"splitting_ops: expected a qualified name 'ns::op' or 'ns::op.overload', got {name!r}; "
+            f"write for example 'aten::mm' or 'mylib::attention.default'"
+        )
+    namespace, rest = name.split("::", 1)
+    op_name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+        return getattr(packet, overload) if overload else packet
+    except (AttributeError, RuntimeError) as e:
+        raise ConfigError(
+            f"splitting_ops: no op named {name!r} is registered; check the spelling, and import "
+            f"the library that defines it before building the Config"
+        ) from e
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitOps:
+    """The set of ops that end a capturable piece. Built from `Config.splitting_ops`."""
+
+    extra: frozenset[str] = frozenset()
+
+    def reason(self, target: Any) -> str | None:
+        if target in _SDPA_FUNCTIONS:
+            return "scaled_dot_product_attention is split by default (attention)"
+        names = op_names(target)
+        if names is None:
+            return None
+        packet, overload = names
+        if packet in self.extra or overload in self.extra:
+            return f"{overload} is listed in Config.splitting_ops"
+        if packet in _SDPA_ATEN_OPS:
+            return f"{packet} is split by default (attention)"
+        if packet.split("::")[0] in _SPLIT_NAMESPACES:
+            return f"{packet} is split by default (flash-attn)"
+        if _has_unsafe_tag(target):
+            return f"{overload} is tagged torch.Tag.cudagraph_unsafe"
+        return None

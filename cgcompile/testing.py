@@ -1,0 +1,65 @@
+"""Small models for tests, examples and benchmarks: exact, fast, and with known structure.
+
+`silly_attention` is a custom op that stands in for attention: it is split like
+attention (through `Config.splitting_ops` or `SILLY_OP`) and its result is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+SILLY_OP = "cgcompile_testing::silly_attention"
+
+
+@torch.library.custom_op(SILLY_OP, mutates_args=())
+def silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q + k * v
+
+
+@silly_attention.register_fake
+def _(q, k, v):
+    return torch.empty_like(q)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class ToyLayer(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.mlp_norm = RMSNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden, bias=False)
+        self.down = nn.Linear(2 * hidden, hidden, bias=False)
+
+    def forward(self, x):  # x: [T, H]
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        x = x + self.o_proj(torch.ops.cgcompile_testing.silly_attention(q, k, v))
+        return x + self.down(torch.nn.functional.silu(self.up(self.mlp_norm(x))))
+
+
+class ToyLlama(nn.Module):
+    """Token ids [T] -> logits [T, vocab]; N layers give 2N+1 pieces, N+1 capturable."""
+
+    def __init__(self, n_layers: int = 2, hidden: int = 32, vocab: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(ToyLayer(hidden) for _ in range(n_layers))
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):  # ids: [T]
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))

@@ -1,0 +1,24 @@
+"""Pure FX passes of cgcompile: classify nodes, choose the capture dimension, split.
+
+No CUDA and no runtime state here: every function takes a graph and returns data.
+Shipped as `cgcompile.passes`.
+"""
+
+from .capture_dim import CaptureDim, find_capture_dim, input_name
+from .graph_values import example_value, tensors_in
+from .split import PieceSpec, SplitGraph, split_graph
+from .split_rule import SplitReason, classify_nodes, is_floating
+
+__all__ = [
+    "CaptureDim",
+    "PieceSpec",
+    "SplitGraph",
+    "SplitReason",
+    "classify_nodes",
+    "example_value",
+    "find_capture_dim",
+    "input_name",
+    "is_floating",
+    "split_graph",
+    "tensors_in",
+]

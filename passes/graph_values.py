@@ -1,0 +1,50 @@
+"""Read what Dynamo recorded about each node: its example value and what kind of value it is."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+_SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)
+
+# Ops that only reinterpret their input's metadata: a piece of nothing but these
+# launches no kernel, so capturing it buys nothing.
+VIEW_METHODS = frozenset(
+    {"view", "transpose", "permute", "unsqueeze", "squeeze", "expand", "t", "narrow",
+     "select", "as_strided", "unflatten", "view_as", "expand_as", "detach"}
+)
+VIEW_FUNCTIONS = frozenset(
+    {torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.narrow,
+     torch.select, torch.t, torch.detach, operator.getitem}
+)
+
+
+def example_value(node: Node) -> Any:
+    """The fake value Dynamo (`example_value`) or AOT (`val`) recorded for the node."""
+    if "example_value" in node.meta:
+        return node.meta["example_value"]
+    return node.meta.get("val")
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+def is_size_value(value: Any) -> bool:
+    """Ints, symbolic ints and `torch.Size`: values computed from shapes, not data."""
+    if isinstance(value, _SIZE_TYPES):
+        return True
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(is_size_value(v) for v in value)
+
+
+def is_view_op(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in VIEW_METHODS
+    return node.op == "call_function" and node.target in VIEW_FUNCTIONS

@@ -1,0 +1,158 @@
+"""The split rule: which nodes cannot live inside a CUDA graph, and why.
+
+`classify_nodes` is a pure function of the graph and its fake-tensor metadata. A node
+is eager (not capturable) when any rule below holds; the first rule that holds is its
+reason. Size computations (ints, SymInts, `torch.Size`) are never classified: the split
+pass copies them into every piece that needs them.
+
+Rules, in order:
+  split_op      the op is attention or another op the user or torch marks as unsafe
+  host_sync     the op reads device data on the host (`.item()`, `.tolist()`, nonzero)
+  device_copy   the output lives on another device than the inputs (`.to("cpu")`)
+  cpu_tensor    the graph runs on an accelerator but this op computes on the CPU
+  dynamic_shape the output shape depends on a symbolic size that is not the capture
+                dimension (a growing KV cache's length, data-dependent sizes)
+  input_mutation the op writes in place into a graph input that is not a parameter or
+                buffer; a graph would write into its private copy instead
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Callable
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_values import example_value, is_size_value, is_view_op, tensors_in
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitReason:
+    rule: str
+    detail: str
+    node: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.detail} [{self.rule}]"
+
+
+_HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
+_HOST_SYNC_FUNCTIONS = frozenset({torch.nonzero, torch.Tensor.item, torch.Tensor.tolist})
+_HOST_SYNC_ATEN = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
+
+
+def is_floating(node: Node) -> bool:
+    """Size computations and constants: copied into each consumer piece, never a piece input."""
+    if node.op == "get_attr":
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return is_size_value(example_value(node)) and _host_sync(node) is None
+
+
+def classify_nodes(
+    gm: GraphModule,
+    *,
+    op_reason: Callable[[Any], str | None],
+    capture_symbol: sympy.Symbol | None,
+    on_accelerator: bool,
+    mutable_inputs: frozenset[str],
+) -> dict[Node, SplitReason]:
+    """Map every node that must run eagerly to its reason; absent nodes are capturable.
+
+    op_reason(target) says why an op is a splitting op (or None); mutable_inputs holds the
+    names of placeholders that are neither parameters nor buffers.
+    """
+    allowed = {capture_symbol} if capture_symbol is not None else set()
+    eager = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        reason = _reason(node, op_reason, allowed, on_accelerator, mutable_inputs)
+        if reason is not None:
+            eager[node] = SplitReason(reason[0], reason[1], node.name)
+    return eager
+
+
+def _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) -> tuple[str, str] | None:
+    why = op_reason(node.target) if node.op == "call_function" else None
+    if why:
+        return "split_op", why
+    sync = _host_sync(node)
+    if sync:
+        return "host_sync", sync
+    if is_floating(node):
+        return None
+    outputs = tensors_in(example_value(node))
+    return (
+        _device_rule(node, outputs, on_accelerator)
+        or _symbol_rule(outputs, allowed)
+        or _mutation_rule(node, mutable_inputs)
+    )
+
+
+def _host_sync(node: Node) -> str | None:
+    if node.op == "call_method" and node.target in _HOST_SYNC_METHODS:
+        return f"Tensor.{node.target}() copies device data to the host"
+    if node.op == "call_function":
+        if node.target in _HOST_SYNC_FUNCTIONS:
+            return f"{node.target.__name__} copies device data to the host"
+        name = getattr(getattr(node.target, "_schema", None), "name", None)
+        if name in _HOST_SYNC_ATEN:
+            return f"{name} copies device data to the host"
+    return None
+
+
+def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) -> tuple[str, str] | None:
+    in_devices = {t.device for a in node.all_input_nodes for t in tensors_in(example_value(a))}
+    for out in outputs:
+        if in_devices and out.device not in in_devices:
+            return "device_copy", f"copies from {sorted(map(str, in_devices))} to {out.device}"
+    if on_accelerator and any(out.device.type == "cpu" for out in outputs):
+        return "cpu_tensor", "computes on CPU tensors, which a CUDA graph cannot hold"
+    return None
+
+
+def _symbol_rule(outputs: list[torch.Tensor], allowed: set) -> tuple[str, str] | None:
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    for out in outputs:
+        other = set(free_symbols(out)) - allowed
+        if other:
+            names = ", ".join(sorted(map(str, other)))
+            cap = ", ".join(map(str, allowed)) or "none: the graph is static"
+            return (
+                "dynamic_shape",
+                f"shape {tuple(out.shape)} depends on {names}, not on the capture dimension ({cap})",
+            )
+    return None
+
+
+def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str] | None:
+    target = _mutated_arg(node)
+    base = _view_base(target) if isinstance(target, Node) else None
+    if base is not None and base.op == "placeholder" and base.name in mutable_inputs:
+        return "input_mutation", f"writes in place into graph input {base.name}"
+    return None
+
+
+def _mutated_arg(node: Node) -> Any:
+    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
+        return node.args[0]
+    if node.op == "call_function" and node.target is operator.setitem:
+        return node.args[0]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                return value
+    return None
+
+
+def _view_base(node: Node) -> Node:
+    while is_view_op(node) and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
