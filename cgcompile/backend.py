@@ -19,7 +19,12 @@ from .errors import ConfigError
 from .piece import BackendStats, Piece
 from .piece_compiler import PieceCompiler, describe_input
 from .passes import CaptureDim, SplitGraph, classify_nodes, example_value, find_capture_dim, split_graph
-from .runtime import GraphRuntime, PieceRunner, build_runner
+from .aot_capture import MakeInputs, call_with, capture_all
+from .capture import CaptureSession
+from .errors import CGCompileError
+from .graph_piece import CudaGraphPiece, piece_layout
+from .pool import as_pool
+from .runtime import GraphRuntime, PieceRunner
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +46,23 @@ class Backend:
     `pool` to share it with other graph users). Use one Backend per model.
     """
 
-    def __init__(self, config: Config | None = None, *, pool: Any = None):
+    def __init__(self, config: Config | None = None, *, pool: Any = None, session: CaptureSession | None = None):
         self.config = config or Config()
-        self.stats = BackendStats()
+        self._stats = BackendStats()
         self.pieces: list[Piece] = []
         self.runtimes: list[GraphRuntime] = []
         self._compiler = PieceCompiler(self.config.compiler)
-        self._pool = pool
+        self.session = session or CaptureSession(
+            self.config.capture_sizes,
+            pool=as_pool(pool),
+            error_mode=self.config.capture_error_mode,
+            check_addresses=self.config.check_addresses,
+        )
+
+    @property
+    def stats(self) -> BackendStats:
+        self._stats.graphs_captured = self.session.graphs_captured
+        return self._stats
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         graph_index = self.stats.graphs_seen
@@ -55,7 +70,7 @@ class Backend:
         analysis = self._analyse(gm, example_inputs)
         split = self._split(gm, analysis)
         runners = self._build_runners(graph_index, split, analysis)
-        runtime = GraphRuntime(split.stitch, runners)
+        runtime = GraphRuntime(split.stitch, runners, self._outputs_to_clone(gm, split, runners))
         self.runtimes.append(runtime)
         self._dump(graph_index, gm, split, analysis)
         return runtime
@@ -104,7 +119,7 @@ class Backend:
                 self.stats.capturable_pieces += 1
                 fn = self._compiler.compile(spec)
                 self.stats.compilations = self._compiler.compilations
-            runners.append(build_runner(piece, spec, fn, analysis, self))
+            runners.append(self._make_runner(piece, spec, fn, analysis))
         if not any(s.capturable for s in split.pieces):
             log.warning(
                 "cgcompile: graph %d has no capturable piece; it runs eagerly. Reasons: %s",
@@ -113,11 +128,82 @@ class Backend:
             )
         return runners
 
+    def _make_runner(self, piece: Piece, spec, fn, analysis: GraphAnalysis) -> PieceRunner:
+        if not (spec.capturable and analysis.cudagraphs):
+            return PieceRunner(piece.name, fn)
+        symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
+        layout = piece_layout(spec, symbol, analysis.static_inputs)
+        if isinstance(layout, str):
+            log.warning("cgcompile: %s runs compiled but without CUDA graphs: %s", piece.name, layout)
+            return PieceRunner(piece.name, fn)
+        return CudaGraphPiece(piece.name, fn, layout, self.session)
+
+    def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[int, ...]:
+        if self.config.reuse_output_buffers:
+            return ()
+        from_graphs = {
+            out for spec, runner in zip(split.pieces, runners) if isinstance(runner, CudaGraphPiece)
+            for out in spec.outputs
+        }
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        return tuple(i for i, v in enumerate(values) if v in from_graphs)
+
+    # -- CUDA graph management -------------------------------------------------------------
+
+    def capture(self, model, make_inputs: MakeInputs, sizes=None, progress: bool = True) -> int:
+        """Capture every size ahead of time (largest first); returns the graphs captured.
+
+        model is the compiled model (what torch.compile returned); make_inputs(size, warmup)
+        returns its inputs for one call of that size (a tuple, a dict of kwargs or one value).
+        """
+        return capture_all(self.session, model, make_inputs, sizes or self.config.capture_sizes, progress)
+
+    def graph_memory(self) -> int:
+        """Bytes the shared pool holds now."""
+        return self.session.pool.bytes_reserved() if self.session.graphs_captured else 0
+
+    def profile_capture_memory(self, model, make_inputs: MakeInputs, sizes=None) -> "CaptureMemoryProfile":
+        """Capture the sizes into a temporary pool, measure it, release everything."""
+        if any(r.graphs for rt in self.runtimes for r in rt.runners if isinstance(r, CudaGraphPiece)):
+            raise CGCompileError(
+                "profile_capture_memory: expected no captured graphs, got some; call it before the "
+                "first capture or after clear()"
+            )
+        sizes = tuple(sizes or self.config.capture_sizes)
+        probe = CaptureSession(sizes, error_mode=self.config.capture_error_mode)
+        previous, self.session = self.session, probe
+        for runner in self._graph_runners():
+            runner.session = probe
+            probe.register(runner)
+        try:
+            graphs = capture_all(probe, model, make_inputs, sizes, progress=False)
+            reserved = probe.pool.bytes_reserved()
+        finally:
+            probe.clear()
+            self.session = previous
+            for runner in self._graph_runners():
+                runner.session = previous
+        return CaptureMemoryProfile(reserved, graphs)
+
+    def clear(self) -> None:
+        """Release every graph and the pool; later calls capture again lazily."""
+        self.session.clear()
+
+    def _graph_runners(self) -> list[CudaGraphPiece]:
+        return [r for rt in self.runtimes for r in rt.runners if isinstance(r, CudaGraphPiece)]
+
     def _dump(self, graph_index, gm, split, analysis) -> None:
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
             pieces = [p for p in self.pieces if p.graph_index == graph_index]
             dump.write_graph_dump(dump_dir, graph_index, gm, split, pieces, str(analysis.capture_dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureMemoryProfile:
+    bytes: int  # pool size after capturing every requested size
+    graphs: int  # CUDA graphs that capture made
 
 
 def _record_piece(graph_index: int, spec) -> Piece:

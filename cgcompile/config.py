@@ -34,6 +34,8 @@ class Config:
         Faster, but a later call overwrites outputs the caller still holds.
     check_addresses: on every replay, check that inputs captured by address still live
         there, and raise naming the piece and input if not (debugging aid).
+    capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
+        "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
         pieces); the CGCOMPILE_USE_BREAKABLE environment variable overrides it.
     """
@@ -48,6 +50,7 @@ class Config:
     reuse_output_buffers: bool = False
     check_addresses: bool = False
     use_breakable: bool = False
+    capture_error_mode: str = "global"
 
     def __post_init__(self):
         _check_capture_sizes(self.capture_sizes)
@@ -55,6 +58,10 @@ class Config:
             raise ConfigError(f"compiler: expected one of {COMPILERS}, got {self.compiler!r}")
         if self.cudagraphs not in (None, True, False):
             raise ConfigError(f"cudagraphs: expected None, True or False, got {self.cudagraphs!r}")
+        if self.capture_error_mode not in ("global", "thread_local", "relaxed"):
+            raise ConfigError(
+                f"capture_error_mode: expected 'global', 'thread_local' or 'relaxed', got {self.capture_error_mode!r}"
+            )
         if not isinstance(self.capture_input_dim, int) or self.capture_input_dim < 0:
             raise ConfigError(
                 f"capture_input_dim: expected a non-negative int, got {self.capture_input_dim!r}"

@@ -20,17 +20,24 @@ class PieceRunner(torch.nn.Module):
 
 
 class GraphRuntime:
-    """What the backend hands back to Dynamo for one graph: the stitch with its runners."""
+    """What the backend hands back to Dynamo for one graph: the stitch with its runners.
 
-    def __init__(self, stitch: torch.fx.GraphModule, runners: list[PieceRunner]):
+    clone_outputs: positions of graph outputs that are CUDA graph static buffers; they
+    are copied before returning so a later call cannot overwrite what the caller holds.
+    """
+
+    def __init__(self, stitch: torch.fx.GraphModule, runners: list[PieceRunner], clone_outputs: tuple[int, ...]):
         for runner in runners:
             setattr(stitch, runner.piece_name.rsplit(".", 1)[-1], runner)
         self.stitch = stitch
         self.runners = runners
+        self.clone_outputs = clone_outputs
 
     def __call__(self, *args):
-        return self.stitch(*args)
-
-
-def build_runner(piece, spec, fn, analysis, backend) -> PieceRunner:
-    return PieceRunner(piece.name, fn)
+        outputs = self.stitch(*args)
+        if not self.clone_outputs:
+            return outputs
+        outputs = list(outputs)
+        for i in self.clone_outputs:
+            outputs[i] = outputs[i].clone()
+        return tuple(outputs)

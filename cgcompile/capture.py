@@ -1,0 +1,162 @@
+"""Capture state shared by every CUDA graph runner of one owner, and the capture primitive.
+
+Memory sharing invariant. All graphs of a session live in one pool. During the call
+that captures a graph, its outputs are ordinary (owning) tensors, so Python refcounts
+keep each output alive exactly until its last consumer in that call has been captured;
+only then can a later capture reuse its memory. After the call, runners keep
+non-owning aliases (`weak_alias`) of their static tensors. Replaying the graphs of one
+size in capture order then never lets a graph overwrite memory that a later graph of
+the same step still has to read, while graphs of different sizes, which never run in
+the same step, reuse each other's memory: the pool for all sizes stays close to the
+pool for the largest one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .errors import CaptureError
+from .padding import PaddingTable
+from .pool import GraphPool
+
+log = logging.getLogger(__name__)
+
+
+class Mode(enum.Enum):
+    LAZY = "lazy"  # first call of a size: warm up, then capture
+    WARMUP = "warmup"  # ahead-of-time warm-up run: run padded, capture nothing
+    CAPTURE = "capture"  # ahead-of-time capture run: capture without another warm-up
+
+
+class _DeviceArray:
+    """Exposes a device pointer through __cuda_array_interface__, owning nothing."""
+
+    def __init__(self, interface: dict):
+        self.__cuda_array_interface__ = interface
+
+
+_INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
+
+
+def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor that views `tensor`'s memory without keeping that memory alive."""
+    size = tensor.element_size()
+    if tensor.numel() == 0 or size not in _INT_TYPESTR:
+        return tensor
+    interface = {
+        "shape": tuple(tensor.shape),
+        "typestr": _INT_TYPESTR[size],
+        "data": (tensor.data_ptr(), False),
+        "strides": tuple(s * size for s in tensor.stride()),
+        "version": 2,
+    }
+    alias = torch.as_tensor(_DeviceArray(interface), device=tensor.device)
+    return alias.view(tensor.dtype)
+
+
+def output_key(tensor: torch.Tensor, padded_shape: tuple[int, ...]) -> tuple:
+    return (tensor.data_ptr(), padded_shape, tensor.stride())
+
+
+class CaptureSession:
+    """Pool, capture stream, mode and the registry of live graph outputs.
+
+    One session per owner (a Backend or a manager); every runner gets it explicitly.
+    """
+
+    def __init__(self, capture_sizes: tuple[int, ...], *, pool: GraphPool | None = None,
+                 error_mode: str = "global", check_addresses: bool = False):
+        self.padding = PaddingTable(capture_sizes)
+        self.error_mode = error_mode
+        self.check_addresses = check_addresses
+        self.mode = Mode.LAZY
+        self.graphs_captured = 0
+        self._pool = pool
+        self._pool_given = pool is not None  # a shared pool outlives clear()
+        self._stream: torch.cuda.Stream | None = None
+        self._runners: list[weakref.ref] = []
+        # Outputs of graphs captured in the current call, by (address, padded shape,
+        # stride): a later piece that receives one uses it in place instead of copying.
+        self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    @property
+    def pool(self) -> GraphPool:
+        if self._pool is None:
+            self._pool = GraphPool()
+        return self._pool
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def register(self, runner) -> None:
+        self._runners.append(weakref.ref(runner))
+
+    @contextlib.contextmanager
+    def mode_as(self, mode: Mode):
+        previous, self.mode = self.mode, mode
+        try:
+            yield
+        finally:
+            self.mode = previous
+
+    def warm_up(self, fn: Callable, args: tuple) -> Any:
+        """Run once on the capture stream so lazy initialisation happens outside capture."""
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = fn(*args)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return out
+
+    def capture(self, name: str, fn: Callable, make_args: Callable[[], tuple]):
+        """Capture `fn(*make_args())` into a new graph in the pool.
+
+        make_args runs inside the capture, so the buffers it allocates come from the pool.
+        Returns (graph, args, outputs); outputs are owning tensors, valid after a replay.
+        """
+        graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
+            try:
+                args = make_args()
+                outputs = fn(*args)
+            except Exception as e:
+                _abandon(graph)
+                raise CaptureError(f"capturing {name} failed: {e}") from e
+            try:
+                graph.capture_end()
+            except RuntimeError as e:
+                raise CaptureError(
+                    f"capturing {name} failed at the end of capture: {e}. If {name} forks work "
+                    f"onto a side stream, join it before the piece ends "
+                    f"(torch.cuda.current_stream().wait_stream(side_stream))"
+                ) from e
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.graphs_captured += 1
+        return graph, args, outputs
+
+    def clear(self) -> None:
+        """Drop every runner's graphs, then the pool itself, and return its memory."""
+        for ref in self._runners:
+            runner = ref()
+            if runner is not None:
+                runner.clear()
+        self.live_outputs.clear()
+        if not self._pool_given:
+            self._pool = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _abandon(graph: torch.cuda.CUDAGraph) -> None:
+    with contextlib.suppress(RuntimeError):
+        graph.capture_end()

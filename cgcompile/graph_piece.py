@@ -1,0 +1,228 @@
+"""Replay one capturable piece from CUDA graphs, one graph per capture size.
+
+Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture dimension):
+  - n above the largest capture size: run the compiled piece directly, no graph.
+  - otherwise N = padding.padded(n); the graph of size N is captured on first use.
+  - inputs that are parameters or buffers are captured by address (never copied);
+    an input whose address and strides equal the captured ones (the output of the
+    previous piece's graph) is used in place; any other input is copied into the
+    captured buffer, whose padding rows are zeroed first.
+  - outputs are the graph's static buffers narrowed to n rows: they stay valid until
+    the next replay of the same graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import sympy
+import torch
+
+from .capture import CaptureSession, Mode, output_key, weak_alias
+from .errors import CaptureError
+from .passes import example_value
+from .runtime import PieceRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceLayout:
+    """Where the capture dimension appears in a piece's inputs and outputs."""
+
+    input_dims: tuple[tuple[int, ...], ...]  # per input: dims equal to the capture symbol
+    size_inputs: tuple[int, ...]  # SymInt inputs equal to the capture symbol
+    by_address: tuple[bool, ...]  # per input: parameter/buffer, captured by address
+    output_dims: tuple[tuple[int, ...], ...]
+    size_source: tuple[int, int] | None  # (input, dim) holding n; dim -1 for a SymInt input
+
+    @property
+    def dynamic(self) -> bool:
+        return self.size_source is not None
+
+
+def piece_layout(spec, symbol: sympy.Symbol | None, static_inputs: frozenset[str]) -> PieceLayout | str:
+    """The layout, or a sentence saying why the piece cannot be padded."""
+    input_dims, size_inputs, by_address = [], [], []
+    for i, node in enumerate(spec.inputs):
+        value = example_value(node)
+        by_address.append(node.op == "placeholder" and node.name in static_inputs)
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            if symbol is not None and expr == symbol:
+                size_inputs.append(i)
+            elif symbol is not None and symbol in expr.free_symbols:
+                return f"input {i} is the size {expr}, not the capture dimension itself"
+        dims = _dims_of(value, symbol)
+        if isinstance(dims, str):
+            return f"input {i}: {dims}"
+        input_dims.append(dims)
+    output_dims = []
+    for k, node in enumerate(spec.outputs):
+        dims = _dims_of(example_value(node), symbol)
+        if isinstance(dims, str):
+            return f"output {k}: {dims}"
+        output_dims.append(dims)
+    source = next(((i, d[0]) for i, d in enumerate(input_dims) if d), None)
+    if source is None and size_inputs:
+        source = (size_inputs[0], -1)
+    return PieceLayout(tuple(input_dims), tuple(size_inputs), tuple(by_address), tuple(output_dims), source)
+
+
+def _dims_of(value, symbol) -> tuple[int, ...] | str:
+    if not isinstance(value, torch.Tensor) or symbol is None:
+        return ()
+    dims = []
+    for d, size in enumerate(value.shape):
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        if expr == symbol:
+            dims.append(d)
+        elif expr is not None and symbol in expr.free_symbols:
+            return f"shape {tuple(value.shape)} has {expr}, which padding cannot handle"
+    return tuple(dims)
+
+
+def _narrow(t: torch.Tensor, dims: tuple[int, ...], n: int) -> torch.Tensor:
+    for d in dims:
+        t = t.narrow(d, 0, n)
+    return t
+
+
+def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[int, ...]:
+    shape = list(t.shape)
+    for d in dims:
+        shape[d] = size
+    return tuple(shape)
+
+
+@dataclasses.dataclass
+class _Graph:
+    """One captured size: the graph and non-owning aliases of its static tensors."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: list  # per input: the tensor the graph reads (None for non-tensors)
+    addresses: list  # per input: (data_ptr, stride) at capture, None for non-tensors
+    outputs: tuple[torch.Tensor, ...]
+
+
+class CudaGraphPiece(PieceRunner):
+    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession, final_outputs: bool):
+        super().__init__(name, fn)
+        self.layout = layout
+        self.session = session
+        self.graphs: dict[int, _Graph] = {}
+        self._copy_inputs = tuple(
+            i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs
+        )
+        session.register(self)
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def forward(self, *args):
+        layout = self.layout
+        if layout.dynamic:
+            i, d = layout.size_source
+            n = args[i] if d < 0 else args[i].shape[d]
+            size = self.session.padding.padded(n)
+            if size is None:
+                return self.fn(*args)
+        else:
+            n = size = 0
+        entry = self.graphs.get(size)
+        if entry is None or self.session.mode is not Mode.LAZY:
+            return self._first_call(args, n, size, entry)
+        return self._replay(entry, args, n, size)
+
+    # -- replay (hot path) -------------------------------------------------------------
+
+    def _replay(self, entry: _Graph, args, n: int, size: int):
+        dims = self.layout.input_dims
+        for i in self._copy_inputs:
+            arg = args[i]
+            if not isinstance(arg, torch.Tensor):
+                continue
+            if (arg.data_ptr(), arg.stride()) != entry.addresses[i]:
+                dst = entry.inputs[i]
+                if n != size and dims[i]:
+                    dst.zero_()
+                    dst = _narrow(dst, dims[i], n)
+                dst.copy_(arg)
+        if self.session.check_addresses:
+            self._check_addresses(entry, args)
+        entry.graph.replay()
+        if n == size:
+            return entry.outputs
+        return tuple(_narrow(o, d, n) for o, d in zip(entry.outputs, self.layout.output_dims))
+
+    def _check_addresses(self, entry: _Graph, args) -> None:
+        for i, by_addr in enumerate(self.layout.by_address):
+            if by_addr and (args[i].data_ptr(), args[i].stride()) != entry.addresses[i]:
+                raise CaptureError(
+                    f"{self.piece_name}: input {i} (a parameter or buffer) was captured at address "
+                    f"{entry.addresses[i][0]:#x} but is now at {args[i].data_ptr():#x}; it was replaced "
+                    f"after capture. Update weights in place (param.data.copy_) or call clear() to recapture"
+                )
+
+    # -- first call of a size: warm up and capture ---------------------------------------
+
+    def _first_call(self, args, n: int, size: int, entry: _Graph | None):
+        padded, in_place = self._padded_args(args, n, size)
+        mode = self.session.mode
+        if mode is Mode.WARMUP:
+            outputs = self.session.warm_up(self.fn, padded)
+            return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+        if entry is None:
+            if mode is Mode.LAZY:
+                self.session.warm_up(self.fn, padded)
+            return self._capture(padded, in_place, n, size)
+        return self._replay(entry, args, n, size)
+
+    def _padded_args(self, args, n: int, size: int) -> tuple[list, set[int]]:
+        """Inputs at the capture size, and which inputs are live graph outputs used in place."""
+        padded, in_place = list(args), set()
+        for i in self._copy_inputs:
+            arg, dims = args[i], self.layout.input_dims[i]
+            if not isinstance(arg, torch.Tensor):
+                continue
+            shape = _padded_shape(arg, dims, size)
+            if self.session.live_outputs.get(output_key(arg, shape)) is not None:
+                padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
+                in_place.add(i)
+            else:
+                buf = torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+                _narrow(buf, dims, n).copy_(arg)
+                padded[i] = buf
+        for i in self.layout.size_inputs:
+            padded[i] = size
+        return padded, in_place
+
+    def _capture(self, padded: list, in_place: set[int], n: int, size: int):
+        def make_args():
+            # Buffers for copied inputs are allocated here, inside capture: from the pool.
+            return [
+                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                if i in self._copy_inputs and isinstance(a, torch.Tensor) and i not in in_place
+                else a
+                for i, a in enumerate(padded)
+            ]
+
+        graph, static_args, outputs = self.session.capture(self.piece_name, self.fn, make_args)
+        outputs = tuple(outputs)
+        entry = _Graph(
+            graph,
+            [weak_alias(a) if isinstance(a, torch.Tensor) else None for a in static_args],
+            [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args],
+            tuple(weak_alias(o) for o in outputs),
+        )
+        self.graphs[size] = entry
+        for i in self._copy_inputs:  # the first replay needs the real data
+            if isinstance(static_args[i], torch.Tensor) and i not in in_place:
+                static_args[i].copy_(padded[i])
+        graph.replay()
+        narrowed = tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+        for full, view in zip(outputs, narrowed):
+            self.session.live_outputs[output_key(view, tuple(full.shape))] = view
+        return narrowed
+
