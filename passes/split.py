@@ -108,7 +108,7 @@ def _fold_view_only(parts: list[_Partition]) -> list[_Partition]:
         if part.capturable and all(map(is_view_op, part.nodes)) and any(not p.capturable for p in neighbours):
             part.capturable = False
             part.reasons.append(
-                SplitReason("view_only", "only view ops next to eager code; nothing to capture", part.nodes[0].name)
+                SplitReason("view_only", "only view ops next to eager code, so nothing to capture", part.nodes[0].name)
             )
     merged: list[_Partition] = []
     for part in parts:

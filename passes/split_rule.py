@@ -10,8 +10,12 @@ Rules, in order:
   host_sync     the op reads device data on the host (`.item()`, `.tolist()`, nonzero)
   device_copy   the output lives on another device than the inputs (`.to("cpu")`)
   cpu_tensor    the graph runs on an accelerator but this op computes on the CPU
-  dynamic_shape the output shape depends on a symbolic size that is not the capture
-                dimension (a growing KV cache's length, data-dependent sizes)
+  dynamic_shape an input or output shape depends on a symbolic size that is not the
+                capture dimension (a growing KV cache's length, data-dependent sizes)
+  dynamic_scalar the op reads the value of such a symbolic size as a scalar argument
+                (`arange(n) + cache_len` for rotary positions, `x * t.item()`): the
+                output shape is fixed, but a CUDA graph would replay the value it
+                was captured with
   input_mutation the op writes in place into a graph input that is not a parameter or
                 buffer; a graph would write into its private copy instead
 """
@@ -26,6 +30,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
+from ..compat import free_symbols
 from .graph_values import example_value, is_size_value, is_view_op, tensors_in
 
 
@@ -89,7 +94,8 @@ def _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) -> tuple[s
     outputs = tensors_in(example_value(node))
     return (
         _device_rule(node, outputs, on_accelerator)
-        or _symbol_rule(outputs, allowed)
+        or _symbol_rule(node, outputs, allowed)
+        or _scalar_rule(node, allowed)
         or _mutation_rule(node, mutable_inputs)
     )
 
@@ -116,19 +122,39 @@ def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) 
     return None
 
 
-def _symbol_rule(outputs: list[torch.Tensor], allowed: set) -> tuple[str, str] | None:
-    from torch.fx.experimental.symbolic_shapes import free_symbols
+def _symbol_rule(node: Node, outputs: list[torch.Tensor], allowed: set) -> tuple[str, str] | None:
+    # Inputs count too: a matmul that contracts over the cache length has an output of
+    # fixed shape, but its kernel reads a buffer whose size a CUDA graph would freeze.
+    inputs = [t for a in node.all_input_nodes for t in tensors_in(example_value(a))]
+    for role, tensors in (("output", outputs), ("input", inputs)):
+        for t in tensors:
+            other = free_symbols(t) - allowed
+            if other:
+                return "dynamic_shape", f"{role} shape {tuple(t.shape)} {_not_capture_dim(other, allowed)}"
+    return None
 
-    for out in outputs:
-        other = set(free_symbols(out)) - allowed
+
+def _scalar_rule(node: Node, allowed: set) -> tuple[str, str] | None:
+    # A shape argument such as view(s1, -1) names s1 in the output shape too, so
+    # `_symbol_rule` has already fired for it; this rule catches values, not shapes.
+    for arg in node.all_input_nodes:
+        value = example_value(arg)
+        if isinstance(value, torch.Tensor) or not is_size_value(value):
+            continue
+        other = free_symbols(value) - allowed
         if other:
-            names = ", ".join(sorted(map(str, other)))
-            cap = ", ".join(map(str, allowed)) or "none: the graph is static"
             return (
-                "dynamic_shape",
-                f"shape {tuple(out.shape)} depends on {names}, not on the capture dimension ({cap})",
+                "dynamic_scalar",
+                f"reads a scalar that {_not_capture_dim(other, allowed)}, "
+                f"and a CUDA graph would replay the value it was captured with",
             )
     return None
+
+
+def _not_capture_dim(symbols: set, allowed: set) -> str:
+    names = ", ".join(sorted(map(str, symbols)))
+    cap = ", ".join(map(str, allowed)) or "none: the graph is static"
+    return f"depends on {names}, not on the capture dimension ({cap})"
 
 
 def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str] | None:
