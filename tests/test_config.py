@@ -1,0 +1,113 @@
+"""Config: defaults, validation at construction, and the split-op predicate it builds."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile import Config, ConfigError
+from cgcompile.testing import SILLY_OP
+
+
+def test_defaults():
+    config = Config()
+    assert config.capture_sizes == (1, 2, 4) + tuple(range(8, 257, 8))
+    assert config.max_capture_size == 256
+    assert config.compiler == "inductor"
+    assert config.cudagraphs is None
+    assert config.dump_dir is None
+    assert config.splitting_ops == ()
+
+
+def test_frozen_and_keyword_only():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().compiler = "eager"
+    with pytest.raises(TypeError):
+        Config((), (1, 2))
+
+
+def test_config_errors_are_cgcompile_errors():
+    assert issubclass(ConfigError, cgcompile.CGCompileError)
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [SILLY_OP, SILLY_OP + ".default", torch.ops.cgcompile_testing.silly_attention,
+     torch.ops.cgcompile_testing.silly_attention.default],
+)
+def test_splitting_op_forms(op):
+    reason = Config(splitting_ops=[op]).split_ops.reason(torch.ops.cgcompile_testing.silly_attention.default)
+    assert reason == f"{SILLY_OP}.default is listed in Config.splitting_ops"
+
+
+def test_default_split_set():
+    ops = Config().split_ops
+    assert "attention" in ops.reason(torch.nn.functional.scaled_dot_product_attention)
+    assert "attention" in ops.reason(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert "attention" in ops.reason(torch.ops.aten.scaled_dot_product_attention.default)
+    assert ops.reason(torch.ops.aten.mm.default) is None
+    assert ops.reason(torch.ops.cgcompile_testing.silly_attention.default) is None
+    assert ops.reason(torch.sin) is None
+
+
+def test_unknown_op_name():
+    with pytest.raises(ConfigError, match=r"no op named 'mylib::no_such_op' is registered; check the spelling"):
+        Config(splitting_ops=["mylib::no_such_op"])
+    with pytest.raises(ConfigError, match=r"no op named 'aten::mm.no_such_overload'"):
+        Config(splitting_ops=["aten::mm.no_such_overload"])
+
+
+def test_unqualified_op_name():
+    with pytest.raises(ConfigError, match=r"expected a qualified name 'ns::op'.*got 'silly_attention'; write for example"):
+        Config(splitting_ops=["silly_attention"])
+
+
+def test_op_of_wrong_type():
+    with pytest.raises(ConfigError, match=r"expected an op such as torch.ops.aten.mm.*got 42 of type int"):
+        Config(splitting_ops=[42])
+
+
+def test_one_op_as_a_bare_string():
+    with pytest.raises(ConfigError, match=r"write splitting_ops=\['ns::op'\] even for one op"):
+        Config(splitting_ops=SILLY_OP)
+
+
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        ((0, 1), r"capture_sizes: expected positive ints, got \[0\]"),
+        ((4, -8), r"capture_sizes: expected positive ints, got \[-8\]"),
+        ((1, 2.5), r"capture_sizes: expected positive ints, got \[2.5\]"),
+        ((1, 2, 2, 4, 4), r"capture_sizes: duplicate sizes \[2, 4\]; list each size once"),
+        ((), r"capture_sizes: expected a non-empty tuple of positive ints, got \(\)"),
+    ],
+)
+def test_bad_capture_sizes(sizes, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(capture_sizes=sizes)
+
+
+def test_unknown_compiler():
+    with pytest.raises(ConfigError, match=r"compiler: expected one of \('eager', 'inductor'\), got 'tvm'"):
+        Config(compiler="tvm")
+
+
+def test_from_options():
+    config = Config.from_options({"compiler": "eager", "capture_sizes": [1, 2], "splitting_ops": [SILLY_OP]})
+    assert config == Config(compiler="eager", capture_sizes=(1, 2), splitting_ops=(SILLY_OP,))
+    assert Config.from_options(None) == Config()
+
+
+def test_from_options_unknown_key():
+    with pytest.raises(ConfigError, match=r"unknown cgcompile option\(s\) \['bogus'\]; valid options are \[.*'compiler'"):
+        Config.from_options({"bogus": 1})
+
+
+def test_unknown_option_through_torch_compile():
+    compiled = torch.compile(torch.sin, backend="cgcompile", options={"compiler": "eager", "bogus": 1})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.ones(3))
+    assert isinstance(info.value.inner_exception, ConfigError)
+    assert "unknown cgcompile option(s) ['bogus']" in str(info.value)

@@ -1,0 +1,121 @@
+"""The split rule finds non-capturable nodes on its own and says why, in words."""
+
+import logging
+
+import torch
+
+import cgcompile
+from cgcompile.testing import SILLY_OP
+
+silly = torch.ops.cgcompile_testing.silly_attention
+
+
+def compile_eager(fn, **fields):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", **fields))
+    return torch.compile(fn, backend=backend), backend
+
+
+def rules(piece) -> list[str]:
+    """The rule names in a piece's reason, e.g. ["dynamic_shape", "split_op"]."""
+    return [part.rsplit("[", 1)[1].rstrip("]") for part in piece.reason.split("; ")]
+
+
+def test_kv_cache_concatenation_is_dynamic_shape():
+    def step(x, cache):  # x: [T, 8] new tokens, cache: [L, 8] past keys
+        keys = torch.cat([cache, x * 2], dim=0)  # [L + T, 8]
+        scores = (x @ keys.T).softmax(-1)  # [T, L + T]
+        return (scores @ keys).relu(), keys  # [T, 8]
+
+    compiled, backend = compile_eager(step)
+    for past in (6, 9, 13):
+        x, cache = torch.randn(4, 8), torch.randn(past, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(cache, 0)
+        for got, want in zip(compiled(x, cache), step(x, cache)):
+            assert torch.equal(got, want)
+    assert backend.stats.graphs_seen == 1
+    assert [p.capturable for p in backend.pieces] == [True, False, True]
+    eager = backend.pieces[1]
+    assert set(rules(eager)) == {"dynamic_shape"}
+    # The concatenation, the scores and the matmul that reads them all depend on L.
+    assert eager.reason.startswith("keys: output shape (")
+    assert "not on the capture dimension" in eager.reason
+    assert "matmul_1: input shape" in eager.reason
+    # The capturable pieces see only the capture dimension (T), never the cache length.
+    for piece in backend.pieces[0::2]:
+        assert all(s.startswith("float32[s") and "+" not in s for s in piece.input_shapes), piece.input_shapes
+
+
+def test_item_is_host_sync_and_its_value_dynamic_scalar():
+    def f(x, counts):
+        n = counts.sum().item()  # an unbacked SymInt, a value read on the host
+        return (x * n).relu()
+
+    x, counts = torch.randn(4, 8), torch.tensor([1, 2])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled, backend = compile_eager(f)
+        assert torch.equal(compiled(x, counts), f(x, counts))
+    assert [p.capturable for p in backend.pieces] == [True, False, True]
+    assert rules(backend.pieces[1]) == ["host_sync", "dynamic_scalar"]
+    assert "Tensor.item() copies device data to the host" in backend.pieces[1].reason
+    assert "a CUDA graph would replay the value it was captured with" in backend.pieces[1].reason
+
+
+def test_device_copy_and_cpu_tensor():
+    # CPU has no accelerator, so the meta device stands in for one: the graph's tensors
+    # end up on meta, which makes the CPU ops non-capturable and the .to() a device copy.
+    def f(x):
+        y = (x * 2).to("meta")
+        return x + 1, (y * 3).sin()
+
+    x = torch.randn(4, 8)
+    compiled, backend = compile_eager(f)
+    got, want = compiled(x), f(x)
+    assert torch.equal(got[0], want[0])
+    assert (got[1].device.type, got[1].shape) == ("meta", want[1].shape)
+    assert [p.capturable for p in backend.pieces] == [False, True]
+    assert rules(backend.pieces[0]) == ["cpu_tensor", "device_copy", "cpu_tensor"]
+    assert "copies from ['cpu'] to meta" in backend.pieces[0].reason
+
+
+def test_input_mutation():
+    def f(x, w):
+        x.add_(1)
+        return x @ w
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    x_eager = x.clone()
+    compiled, backend = compile_eager(f)
+    assert torch.equal(compiled(x, w), f(x_eager, w))
+    assert torch.equal(x, x_eager)
+    assert [p.capturable for p in backend.pieces] == [False, True]
+    assert rules(backend.pieces[0]) == ["input_mutation"]
+    assert "writes in place into graph input" in backend.pieces[0].reason
+
+
+def test_no_capturable_piece_warns_once_and_runs(caplog):
+    def only_attention(q, k, v):
+        return silly(q, k, v)
+
+    q, k, v = torch.randn(3, 4, 8).unbind(0)
+    compiled, backend = compile_eager(only_attention, splitting_ops=[SILLY_OP])
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for _ in range(3):
+            assert torch.equal(compiled(q, k, v), q + k * v)
+    warnings = [r for r in caplog.records if r.name.startswith("cgcompile") and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "graph 0 has no capturable piece; it runs eagerly" in warnings[0].getMessage()
+    assert SILLY_OP in warnings[0].getMessage()
+    assert (backend.stats.pieces, backend.stats.capturable_pieces) == (1, 0)
+
+
+def test_view_only_stretch_folds_into_eager_piece():
+    def f(x):
+        y = silly(x, x, x).transpose(0, 1).unsqueeze(0)  # views only, between two split ops
+        return silly(y, y, y).sin()
+
+    x = torch.randn(4, 8)
+    compiled, backend = compile_eager(f, splitting_ops=[SILLY_OP])
+    assert torch.equal(compiled(x), f(x))
+    assert [p.capturable for p in backend.pieces] == [False, True]
+    assert "view_only" in rules(backend.pieces[0])
