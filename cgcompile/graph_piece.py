@@ -107,7 +107,7 @@ class _Graph:
 
 
 class CudaGraphPiece(PieceRunner):
-    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession, final_outputs: bool):
+    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession):
         super().__init__(name, fn)
         self.layout = layout
         self.session = session

@@ -1,0 +1,221 @@
+"""CUDA graph runtime of the backend, against eager. Runs on the GPU machine only."""
+
+import copy
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.testing import SILLY_OP, ToyLlama
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SIZES = (2, 4, 8, 16, 32, 64)
+
+
+def _compiled(compiler="eager", n_layers=3, **cfg):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ToyLlama(n_layers, hidden=64, vocab=128).cuda()
+    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler=compiler, capture_sizes=SIZES, **cfg)
+    backend = cgcompile.Backend(config)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _ids(n):
+    ids = torch.randint(0, 128, (n,), device="cuda")
+    torch._dynamo.mark_dynamic(ids, 0)
+    return ids
+
+
+def _capturable(backend):
+    return sum(p.capturable for p in backend.pieces)
+
+
+@pytest.mark.parametrize("n", [3, 5, 37, 8, 2])
+def test_eager_pieces_equal_eager_at_padded_sizes(n):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, backend, compiled = _compiled()
+    for _ in range(3):  # capture, then replay twice
+        ids = _ids(n)
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert backend.stats.graphs_captured == _capturable(backend) == 4
+
+
+def test_inductor_pieces_close_to_eager_mixed_sizes():
+    model, backend, compiled = _compiled("inductor")
+    sizes = [3, 17, 5, 64, 3, 40, 17, 2]
+    for n in sizes:
+        ids = _ids(n)
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-3, atol=2e-3)
+    padded = {backend.session.padding.padded(n) for n in sizes}
+    assert backend.stats.graphs_captured == len(padded) * _capturable(backend)
+    assert backend.stats.compilations == 3
+
+
+def test_above_largest_size_runs_without_graphs():
+    model, backend, compiled = _compiled()
+    ids = _ids(100)
+    torch.testing.assert_close(compiled(ids), model(ids))
+    assert backend.stats.graphs_captured == 0
+
+
+def test_held_outputs_are_not_overwritten():
+    model, backend, compiled = _compiled()
+    first_ids, second_ids = _ids(5), _ids(5)
+    first = compiled(first_ids)
+    expected = model(first_ids).clone()
+    compiled(second_ids)
+    compiled(second_ids)
+    torch.testing.assert_close(first, expected)
+
+
+def test_reuse_output_buffers_returns_static_buffers():
+    model, backend, compiled = _compiled(reuse_output_buffers=True)
+    a, b = _ids(5), _ids(5)
+    first = compiled(a)
+    second = compiled(b)
+    assert first.data_ptr() == second.data_ptr()  # the documented risk of the opt-out
+    torch.testing.assert_close(second, model(b))
+
+
+def test_graph_allocations_live_in_the_one_pool():
+    model, backend, compiled = _compiled()
+    for n in (3, 16, 64):
+        compiled(_ids(n))
+    pool = tuple(backend.session.pool.handle)
+    private = {
+        tuple(seg["segment_pool_id"])
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    }
+    assert private == {pool}
+    assert backend.graph_memory() > 0
+
+
+def test_ahead_of_time_capture_all_sizes_then_replay():
+    model, backend, compiled = _compiled()
+    captured = backend.capture(compiled, lambda size, warmup: (_ids(size),), progress=False)
+    assert captured == len(SIZES) * _capturable(backend)
+    before = backend.stats.graphs_captured
+    for n in (3, 33, 64, 7):
+        ids = _ids(n)
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert backend.stats.graphs_captured == before  # nothing captured lazily
+
+
+def test_profile_capture_memory_releases_everything():
+    model, backend, compiled = _compiled()
+    compiled(_ids(3))  # compile only (size 3 captures: clear it)
+    backend.clear()
+    profile = backend.profile_capture_memory(compiled, lambda size, warmup: (_ids(size),))
+    assert profile.bytes > 0
+    assert profile.graphs == len(SIZES) * _capturable(backend)
+    assert backend.graph_memory() == 0
+    ids = _ids(9)
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_pool_for_all_sizes_close_to_largest_alone():
+    model, backend, compiled = _compiled(n_layers=4)
+    compiled(_ids(3))
+    backend.clear()
+    largest = backend.profile_capture_memory(compiled, lambda s, w: (_ids(s),), sizes=(64,)).bytes
+    every = backend.profile_capture_memory(compiled, lambda s, w: (_ids(s),)).bytes
+    assert every <= 1.25 * largest, (every, largest)
+
+
+def test_clear_releases_and_recaptures():
+    model, backend, compiled = _compiled()
+    compiled(_ids(6))
+    captured = backend.stats.graphs_captured
+    backend.clear()
+    assert backend.graph_memory() == 0
+    ids = _ids(6)
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert backend.stats.graphs_captured == 2 * captured
+
+
+def test_check_addresses_names_the_piece_when_a_parameter_moves():
+    model, backend, compiled = _compiled(check_addresses=True)
+    compiled(_ids(4))
+    model.layers[0].qkv.weight.data = model.layers[0].qkv.weight.data.clone()
+    with pytest.raises(cgcompile.CaptureError, match=r"graph0\.piece_\d+: input \d+"):
+        compiled(_ids(4))
+
+
+@torch.library.custom_op("cgcompile_test::lazy_scale", mutates_args=())
+def lazy_scale(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Like attention backends that build metadata on first use: state[0] is 0 until initialised."""
+    if state[1].item() == 0:
+        state[0] = 2.0
+        state[1] = 1.0
+    return x * state[0]
+
+
+@lazy_scale.register_fake
+def _(x, state):
+    return torch.empty_like(x)
+
+
+class LazyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+
+    def forward(self, x, state):
+        return self.b(torch.ops.cgcompile_test.lazy_scale(self.a(x), state))
+
+
+def test_lazy_init_op_gets_fresh_state_for_capture():
+    torch._dynamo.reset()
+    model = LazyModel().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(
+        splitting_ops=("cgcompile_test::lazy_scale",), compiler="eager", capture_sizes=(4, 8)))
+    compiled = torch.compile(model, backend=backend)
+    states = {}
+
+    def make_inputs(size, warmup):
+        x = torch.randn(size, 16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0)
+        states[(size, warmup)] = torch.zeros(2, device="cuda")
+        return (x, states[(size, warmup)])
+
+    assert backend.capture(compiled, make_inputs, progress=False) == 4
+    for key, state in states.items():
+        assert state[1].item() == 1.0, f"state {key} was never initialised by its own run"
+    x = torch.randn(6, 16, device="cuda")
+    fresh = torch.zeros(2, device="cuda")
+    expected = model(x, torch.zeros(2, device="cuda"))
+    torch.testing.assert_close(compiled(x, fresh), expected)
+
+
+class SideStreamModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def test_unjoined_side_stream_fails_naming_the_piece():
+    side = torch.cuda.Stream()
+
+    def fork_without_join(x, weight, bias):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = torch.nn.functional.linear(x, weight, bias)
+        return (y,)
+
+    session = cgcompile.capture.CaptureSession((4,))
+    m = SideStreamModel().cuda()
+    x = torch.randn(4, 16, device="cuda")
+    fork_without_join(x, m.a.weight, m.a.bias)  # warm up cuBLAS outside capture
+    torch.cuda.synchronize()
+    with pytest.raises(cgcompile.CaptureError, match="my_piece.*side stream"):
+        session.capture("my_piece", fork_without_join, lambda: (x, m.a.weight, m.a.bias))
