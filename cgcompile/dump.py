@@ -6,12 +6,16 @@ Layout, one folder per Dynamo graph:
   DUMP_DIR/graph_<i>/piece_<k>.py  each piece's code
   DUMP_DIR/graph_<i>/summary.json  one record per piece (read by `python -m cgcompile.inspect`)
   DUMP_DIR/graph_<i>/summary.txt   the same as a table
+
+`show_to_debuggers` hands the same graphs to debuggers that hook torch (depyf).
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+from torch._dynamo.utils import lazy_format_graph_code
 
 from .piece import Piece
 
@@ -46,6 +50,21 @@ def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Pi
     _write(folder, "summary.json", json.dumps(summary, indent=1))
     _write(folder, "summary.txt", format_summary(summary))
     return folder
+
+
+def show_to_debuggers(split) -> None:
+    """Pass the split graph and each piece to `torch._dynamo.utils.lazy_format_graph_code`.
+
+    Dynamo and AOT autograd pass every graph they make through that function, and
+    `depyf.prepare_debug` patches it to write each graph as a file beside Dynamo's own
+    (`__compiled_fn_<n>.cgcompile_piece_<k>.<m>.py`). Outside depyf it returns a lazy
+    string that is never formatted, so calling it for every graph costs nothing. The
+    pieces' GraphModules alone are not enough: depyf sees their generated code too,
+    but deletes it on exit as "wild" code that belongs to no compiled function.
+    """
+    lazy_format_graph_code("cgcompile split graph", split.stitch)
+    for spec in split.pieces:
+        lazy_format_graph_code(f"cgcompile {spec.name}", spec.graph)
 
 
 def format_summary(summary: dict) -> str:
