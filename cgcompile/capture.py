@@ -116,32 +116,45 @@ class CaptureSession:
         torch.cuda.current_stream().wait_stream(self.stream)
         return out
 
+    def begin_graph(self) -> torch.cuda.CUDAGraph:
+        """Start capturing a new graph into the pool, on the capture stream (already entered)."""
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
+        return graph
+
+    def end_graph(self, graph: torch.cuda.CUDAGraph, name: str) -> None:
+        try:
+            graph.capture_end()
+        except RuntimeError as e:
+            raise CaptureError(
+                f"capturing {name} failed at the end of capture: {e}. If {name} forks work onto a "
+                f"side stream, join it before the piece ends or the next break "
+                f"(torch.cuda.current_stream().wait_stream(side_stream))"
+            ) from e
+        self.graphs_captured += 1
+
+    @contextlib.contextmanager
+    def on_capture_stream(self):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream().wait_stream(self.stream)
+
     def capture(self, name: str, fn: Callable, make_args: Callable[[], tuple]):
         """Capture `fn(*make_args())` into a new graph in the pool.
 
         make_args runs inside the capture, so the buffers it allocates come from the pool.
         Returns (graph, args, outputs); outputs are owning tensors, valid after a replay.
         """
-        graph = torch.cuda.CUDAGraph()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
+        with self.on_capture_stream():
+            graph = self.begin_graph()
             try:
                 args = make_args()
                 outputs = fn(*args)
             except Exception as e:
-                _abandon(graph)
+                abandon(graph)
                 raise CaptureError(f"capturing {name} failed: {e}") from e
-            try:
-                graph.capture_end()
-            except RuntimeError as e:
-                raise CaptureError(
-                    f"capturing {name} failed at the end of capture: {e}. If {name} forks work "
-                    f"onto a side stream, join it before the piece ends "
-                    f"(torch.cuda.current_stream().wait_stream(side_stream))"
-                ) from e
-        torch.cuda.current_stream().wait_stream(self.stream)
-        self.graphs_captured += 1
+            self.end_graph(graph, name)
         return graph, args, outputs
 
     def clear(self) -> None:
@@ -157,6 +170,6 @@ class CaptureSession:
         torch.cuda.empty_cache()
 
 
-def _abandon(graph: torch.cuda.CUDAGraph) -> None:
+def abandon(graph: torch.cuda.CUDAGraph) -> None:
     with contextlib.suppress(RuntimeError):
         graph.capture_end()

@@ -33,7 +33,15 @@ def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Pi
     _write(folder, "split.py", _code(split.stitch))
     for piece in pieces:
         _write(folder, f"{piece.name.rsplit('.', 1)[-1]}.py", _code(piece.graph))
-    summary = {
+    summary = summarize(graph_index, pieces, capture_dim)
+    _write(folder, "summary.json", json.dumps(summary, indent=1))
+    _write(folder, "summary.txt", format_summary(summary))
+    return folder
+
+
+def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = None) -> dict:
+    """One graph's summary record: what summary.json holds and `format_summary` prints."""
+    return {
         "graph_index": graph_index,
         "capture_dim": capture_dim,
         "pieces": [
@@ -45,11 +53,9 @@ def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Pi
                 "reason": p.reason,
             }
             for p in pieces
+            if p.graph_index == graph_index
         ],
     }
-    _write(folder, "summary.json", json.dumps(summary, indent=1))
-    _write(folder, "summary.txt", format_summary(summary))
-    return folder
 
 
 def show_to_debuggers(split) -> None:
@@ -74,7 +80,9 @@ def format_summary(summary: dict) -> str:
         for p in summary["pieces"]
     ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(SUMMARY_COLUMNS[:-1])]
-    lines = [f"graph {summary['graph_index']}: capture dimension {summary['capture_dim']}"]
+    lines = [f"graph {summary['graph_index']}"]
+    if summary["capture_dim"] is not None:
+        lines[0] += f": capture dimension {summary['capture_dim']}"
     header = list(SUMMARY_COLUMNS)
     for row in [header] + [list(r) for r in rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]

@@ -1,0 +1,209 @@
+"""Breakable CUDA graphs and the manager, against eager. Runs on the GPU machine only."""
+
+import pytest
+import torch
+from torch import nn
+
+import cgcompile
+from cgcompile.testing import SILLY_OP, ToyLlama
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SIZES = (2, 4, 8, 16)
+
+
+def _config(**kw):
+    return cgcompile.Config(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True, compiler="eager", **kw)
+
+
+def _toy():
+    torch.manual_seed(0)
+    return ToyLlama(3, hidden=64, vocab=128).cuda()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 16])
+def test_toy_llama_equals_eager_at_padded_sizes(n, monkeypatch):
+    monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _toy()
+    manager = cgcompile.GraphManager(model, _config())
+    for _ in range(3):
+        ids = torch.randint(0, 128, (n,), device="cuda")
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+    runner = manager.breakable
+    (entry,) = runner.graphs.values()
+    segments = [s for s in entry.steps if not isinstance(s, cgcompile.breakable._EagerStep)]
+    assert len(segments) == 4 and len(entry.steps) == 7  # 3 silly attentions break 4 segments
+
+
+def test_fresh_tensor_op_results_reach_later_segments():
+    # silly_attention returns a fresh tensor every call: replay must copy it into place.
+    model = _toy()
+    manager = cgcompile.GraphManager(model, _config())
+    manager.run_pw_graph(model, (torch.randint(0, 128, (4,), device="cuda"),))
+    for _ in range(3):
+        ids = torch.randint(0, 128, (4,), device="cuda")
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+
+
+class HostState:
+    def __init__(self):
+        self.scale = 1.0
+
+
+class PythonBreakModel(nn.Module):
+    def __init__(self, state):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.state = state
+
+    def forward(self, x):
+        return self.b(scale_by_host_state(self.a(x), self.state))
+
+
+@cgcompile.eager_break
+def scale_by_host_state(x, state):
+    return x * state.scale  # reads host-side state at call time, like attention metadata
+
+
+def test_user_marked_python_break_reads_live_host_state():
+    state = HostState()
+    model = PythonBreakModel(state).cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    x = torch.randn(3, 16, device="cuda")
+    manager.run_pw_graph(model, (x,))
+    for scale in (2.0, -0.5):
+        state.scale = scale
+        x = torch.randn(3, 16, device="cuda")
+        torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+
+
+class LazyMeta:
+    """Like FlashMLA's metadata: a buffer built on the first call that uses this object."""
+
+    def __init__(self):
+        self.buffer = None
+
+
+@cgcompile.eager_break
+def lazy_scale(x, meta):
+    if meta.buffer is None:
+        meta.buffer = torch.full((1,), 3.0, device=x.device)
+    return x * meta.buffer
+
+
+class LazyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x, meta):
+        return self.b(lazy_scale(self.a(x), meta) + self.a(x))
+
+
+def test_lazy_init_op_capture_state_is_separate_from_warmup():
+    model = LazyModel().cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    metas = {}
+
+    def make_inputs(size, warmup):
+        metas[(size, warmup)] = LazyMeta()
+        return (torch.randn(size, 16, device="cuda"), metas[(size, warmup)])
+
+    manager.capture(make_inputs, progress=False)
+    for size in SIZES:
+        warm, capture = metas[(size, True)], metas[(size, False)]
+        assert capture.buffer is not None and capture.buffer.data_ptr() != warm.buffer.data_ptr()
+    del metas  # the warm-up state is gone: replay must not depend on it
+    torch.cuda.empty_cache()
+    garbage = torch.full((1 << 20,), float("nan"), device="cuda")
+    capture_meta = manager.breakable.graphs[4].inputs[1]
+    x = torch.randn(3, 16, device="cuda")
+    torch.testing.assert_close(manager.run_pw_graph(model, (x, capture_meta)), model(x, LazyMeta()))
+    del garbage
+
+
+def test_changed_non_tensor_input_fails_loudly():
+    model = LazyModel().cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"), LazyMeta()))
+    with pytest.raises(cgcompile.CaptureError, match="non-tensor input changed"):
+        manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"), LazyMeta()))
+
+
+def test_hf_llama_forward_equals_eager_at_padded_batches():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).cuda().eval()
+    manager = cgcompile.GraphManager(model, cgcompile.Config(capture_sizes=SIZES, use_breakable=True))
+    assert manager.breakable.module is model.model
+    with torch.inference_mode():
+        for batch in (3, 4, 5, 3):
+            ids = torch.randint(0, 128, (batch, 8), device="cuda")
+            out = manager.run_pw_graph(model, {"input_ids": ids, "use_cache": False})
+            ref = model(input_ids=ids, use_cache=False)
+            torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    assert set(manager.breakable.graphs) == {4, 8}
+
+
+def test_pool_shared_between_compiled_and_breakable_paths():
+    model = _toy()
+    manager = cgcompile.GraphManager(model, _config(use_breakable=False))
+    ids = torch.randint(0, 128, (6,), device="cuda")
+    torch._dynamo.mark_dynamic(ids, 0)
+    compiled_out = manager.run_pw_graph(model, (ids,))
+    breakable_out = manager.run_breakable(ids)
+    torch.testing.assert_close(compiled_out, model(ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(breakable_out, model(ids), rtol=1e-5, atol=1e-5)
+    for _ in range(2):  # alternate the paths: replays must not corrupt each other
+        ids = torch.randint(0, 128, (6,), device="cuda")
+        torch.testing.assert_close(manager.run_breakable(ids), model(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+    pool = tuple(manager.session.pool.handle)
+    private = {
+        tuple(seg["segment_pool_id"]) for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    }
+    assert private == {pool}
+    assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graphs
+
+
+def test_clear_then_recapture():
+    model = _toy()
+    manager = cgcompile.GraphManager(model, _config())
+    ids = torch.randint(0, 128, (5,), device="cuda")
+    manager.run_pw_graph(model, (ids,))
+    manager.clear()
+    assert not manager.breakable.graphs and manager.graph_memory() == 0
+    torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+    assert manager.breakable.graphs
+
+
+def test_unjoined_side_stream_before_a_break_is_a_clear_error():
+    side = torch.cuda.Stream()
+
+    class Forks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, x):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y = self.a(x)
+            return torch.ops.cgcompile_testing.silly_attention(y, y, y)
+
+    model = Forks().cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    with pytest.raises(cgcompile.CaptureError, match="side stream"):
+        manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
