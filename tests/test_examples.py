@@ -1,0 +1,33 @@
+"""Every example runs as a smoke test. An example that needs a GPU says so on a line of its own:
+
+    # cgcompile-example: needs-cuda
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
+NEEDS_CUDA = "# cgcompile-example: needs-cuda"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(example):
+    if NEEDS_CUDA in example.read_text().splitlines() and not torch.cuda.is_available():
+        pytest.skip(f"{example.name} needs a CUDA GPU; torch.cuda.is_available() is False")
+    result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.strip(), f"{example.name} printed nothing"
+
+
+def test_toy_llama_example_prints_the_split():
+    example = EXAMPLES[0].parent / "toy_llama.py"
+    result = subprocess.run([sys.executable, str(example), "--layers", "2"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].split() == ["piece", "capturable", "nodes", "inputs", "reason"]
+    assert [line.split()[1] for line in lines[2:7]] == ["yes", "no", "yes", "no", "yes"]
+    assert lines[-1] == "2 layers: 5 pieces, 3 capturable; outputs match eager"
