@@ -73,7 +73,7 @@ class Backend:
         runtime = GraphRuntime(split.stitch, runners, self._outputs_to_clone(gm, split, runners))
         self.runtimes.append(runtime)
         self._dump(graph_index, gm, split, analysis)
-        return runtime
+        return runtime.__call__  # a bound method: debuggers such as depyf read its __code__
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -194,6 +194,7 @@ class Backend:
         return [r for rt in self.runtimes for r in rt.runners if isinstance(r, CudaGraphPiece)]
 
     def _dump(self, graph_index, gm, split, analysis) -> None:
+        dump.show_to_debuggers(split)
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
             pieces = [p for p in self.pieces if p.graph_index == graph_index]

@@ -200,10 +200,10 @@ class BreakableRunner:
         args, kwargs = pytree.tree_unflatten(static, spec)
         mode = self.session.mode
         if mode is Mode.WARMUP:
-            return _cut(self._forward(*args, **kwargs), n, size, clone=True)
+            return _cut(self.session.warm_up(self._forward, *args, **kwargs), n, size, clone=True)
         if entry is None:
             if mode is Mode.LAZY:
-                self._forward(*args, **kwargs)
+                self.session.warm_up(self._forward, *args, **kwargs)
             entry = self._capture(static, spec, args, kwargs, size)
         return self._replay(entry, leaves, n, size, spec)
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from .compat import reset_generators_after_failed_capture
 from .errors import CaptureError
 from .padding import PaddingTable
 from .pool import GraphPool
@@ -108,13 +109,11 @@ class CaptureSession:
         finally:
             self.mode = previous
 
-    def warm_up(self, fn: Callable, args: tuple) -> Any:
-        """Run once on the capture stream so lazy initialisation happens outside capture."""
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            out = fn(*args)
-        torch.cuda.current_stream().wait_stream(self.stream)
-        return out
+    def warm_up(self, fn: Callable, *args, **kwargs) -> Any:
+        """Run once on the capture stream, so lazy initialisation (cuBLAS workspaces for
+        that stream, autotuning, allocator warm-up) happens before and outside capture."""
+        with self.on_capture_stream():
+            return fn(*args, **kwargs)
 
     def begin_graph(self) -> torch.cuda.CUDAGraph:
         """Start capturing a new graph into the pool, on the capture stream (already entered)."""
@@ -126,6 +125,7 @@ class CaptureSession:
         try:
             graph.capture_end()
         except RuntimeError as e:
+            reset_generators_after_failed_capture()
             raise CaptureError(
                 f"capturing {name} failed at the end of capture: {e}. If {name} forks work onto a "
                 f"side stream, join it before the piece ends or the next break "
@@ -171,5 +171,8 @@ class CaptureSession:
 
 
 def abandon(graph: torch.cuda.CUDAGraph) -> None:
-    with contextlib.suppress(RuntimeError):
+    """End a capture that failed midway, leaving the generators usable."""
+    try:
         graph.capture_end()
+    except RuntimeError:
+        reset_generators_after_failed_capture()

@@ -37,3 +37,12 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list):
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
+
+
+def reset_generators_after_failed_capture() -> None:
+    """A capture that fails in cudaStreamEndCapture skips the CUDA generators' capture
+    epilogue, leaving them in capture mode (every later random op then fails). Swap in a
+    copy of each generator's state, which is not capturing."""
+    for generator in torch.cuda.default_generators:
+        if hasattr(generator, "graphsafe_set_state"):
+            generator.graphsafe_set_state(generator.clone_state())

@@ -171,11 +171,11 @@ class CudaGraphPiece(PieceRunner):
         padded, in_place = self._padded_args(args, n, size)
         mode = self.session.mode
         if mode is Mode.WARMUP:
-            outputs = self.session.warm_up(self.fn, padded)
+            outputs = self.session.warm_up(self.fn, *padded)
             return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
         if entry is None:
             if mode is Mode.LAZY:
-                self.session.warm_up(self.fn, padded)
+                self.session.warm_up(self.fn, *padded)
             return self._capture(padded, in_place, n, size)
         return self._replay(entry, args, n, size)
 

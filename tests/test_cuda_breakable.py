@@ -16,7 +16,8 @@ SIZES = (2, 4, 8, 16)
 
 
 def _config(**kw):
-    return cgcompile.Config(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True, compiler="eager", **kw)
+    fields = dict(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True, compiler="eager")
+    return cgcompile.Config(**(fields | kw))
 
 
 def _toy():
@@ -159,6 +160,7 @@ def test_hf_llama_forward_equals_eager_at_padded_batches():
 def test_pool_shared_between_compiled_and_breakable_paths():
     model = _toy()
     manager = cgcompile.GraphManager(model, _config(use_breakable=False))
+    before = _private_pools()
     ids = torch.randint(0, 128, (6,), device="cuda")
     torch._dynamo.mark_dynamic(ids, 0)
     compiled_out = manager.run_pw_graph(model, (ids,))
@@ -170,12 +172,16 @@ def test_pool_shared_between_compiled_and_breakable_paths():
         torch.testing.assert_close(manager.run_breakable(ids), model(ids), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
     pool = tuple(manager.session.pool.handle)
-    private = {
-        tuple(seg["segment_pool_id"]) for seg in torch.cuda.memory_snapshot()
+    assert _private_pools() - before == {pool}
+    assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graphs
+
+
+def _private_pools():
+    return {
+        tuple(seg["segment_pool_id"])
+        for seg in torch.cuda.memory_snapshot()
         if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
     }
-    assert private == {pool}
-    assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graphs
 
 
 def test_clear_then_recapture():

@@ -82,11 +82,6 @@ def test_no_dump_by_default(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the backend to call cgcompile.dump.show_to_debuggers(split) and to return a "
-    "callable with __code__ (depyf reads it from the compiled function); see the report of issue 2",
-)
 def test_pieces_show_up_in_depyf_dump(tmp_path):
     depyf = pytest.importorskip("depyf")
     out = tmp_path / "depyf"
