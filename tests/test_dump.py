@@ -92,3 +92,22 @@ def test_pieces_show_up_in_depyf_dump(tmp_path):
     assert any("silly_attention(" in open(p).read() for p in pieces)
     assert glob.glob(str(out / "__compiled_fn_*.cgcompile_split_graph.*.py"))
     assert glob.glob(str(out / "full_code_for_forward_*.py"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="backend='cgcompile' builds a new Backend for every Dynamo graph, so every graph is "
+    "graph 0 and each dump overwrites DUMP_DIR/graph_0; see the report of issue 2",
+)
+def test_backend_by_name_dumps_every_graph(tmp_path, monkeypatch):
+    def f(x):
+        x = x.sin()
+        torch._dynamo.graph_break()
+        return x.cos()
+
+    monkeypatch.setenv("CGCOMPILE_DUMP_DIR", str(tmp_path))
+    x = torch.randn(3)
+    assert torch.equal(torch.compile(f, backend="cgcompile", options={"compiler": "eager"})(x), f(x))
+    originals = [p.read_text() for p in sorted(tmp_path.glob("graph_*/original.py"))]
+    assert len(originals) == 2
+    assert "sin()" in originals[0] and "cos()" in originals[1]
