@@ -5,7 +5,14 @@ Default rule: walk the graph inputs in Dynamo's order, skip parameters and buffe
 plain symbol (s0, not s0 + 1). That is the batch/token dimension of the usual model
 input (`input_ids`, hidden states). A graph with no such input is static: every piece
 that depends on no symbol is captured at its one shape. The user overrides the rule by
-naming the input (`Config.capture_input`) and the dimension (`Config.capture_input_dim`).
+naming the input (`Config.capture_input`) and the dimension (`Config.capture_input_dim`),
+e.g. input_ids' dimension 1 for a Hugging Face model run with batch 1. Where that
+dimension has a fixed size, the graph is static: Dynamo compiles the first call of a
+model with every size fixed and only later marks sizes dynamic, so a static graph is
+what the override names on the first call and must not be an error.
+
+Only dimension 0 is searched by default: a later dimension of a later input is as
+likely the length of a KV cache, which must never be captured and padded over.
 """
 
 from __future__ import annotations
@@ -62,8 +69,8 @@ def find_capture_dim(
 ) -> CaptureDim | None:
     """Apply the rule in the module docstring; `static_inputs` holds placeholder names.
 
-    Raises LookupError when the override names no input, or a dimension that is not a
-    plain symbol in this graph.
+    Raises LookupError when the override names no input, a dimension the input does not
+    have, or one whose size is an expression (s0 + 1) rather than a plain symbol.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if override_input is not None:
@@ -77,16 +84,19 @@ def find_capture_dim(
     return None
 
 
-def _override(placeholders: list[Node], wanted: str, dim: int) -> CaptureDim:
+def _override(placeholders: list[Node], wanted: str, dim: int) -> CaptureDim | None:
     candidates = [n for n in placeholders if _matches(n, wanted)]
     if not candidates:
         names = [input_name(n) for n in placeholders if isinstance(example_value(n), torch.Tensor)]
         raise LookupError(f"no graph input named {wanted!r}; the tensor inputs are {names}")
+    value = example_value(candidates[0])
+    shape = tuple(getattr(value, "shape", ()))
+    if dim >= len(shape):
+        raise LookupError(f"input {wanted!r} has shape {shape}, no dim {dim}; pick a dim below {len(shape)}")
     symbol = _symbol_at(candidates[0], dim)
-    if symbol is None:
-        shape = tuple(getattr(example_value(candidates[0]), "shape", ()))
+    if symbol is None and isinstance(shape[dim], torch.SymInt):
         raise LookupError(
-            f"dim {dim} of input {wanted!r} (shape {shape}) is not a dynamic size; mark it "
-            f"with torch._dynamo.mark_dynamic(tensor, {dim}) or pick another dimension"
+            f"dim {dim} of input {wanted!r} (shape {shape}) is {shape[dim]}, not a plain dynamic size; "
+            f"pick the input whose size it is derived from"
         )
-    return CaptureDim(symbol, input_name(candidates[0]), dim)
+    return CaptureDim(symbol, input_name(candidates[0]), dim) if symbol is not None else None

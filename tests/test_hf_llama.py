@@ -79,3 +79,20 @@ def test_decode_graph_splits_at_attention_and_cache(decoded):
     linears = [p for p in decode if "linear" in targets(p)]
     assert linears and all(p.capturable for p in linears)  # projections, MLP, lm_head
     assert any("silu" in targets(p) for p in linears)
+
+
+def test_prefill_captures_over_the_prompt_length():
+    # input_ids is [1, T]: the default rule looks at dimension 0 only, so name dimension 1.
+    model = tiny_llama()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_input="input_ids", capture_input_dim=1))
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for length in (4, 7, 9):  # the second length makes Dynamo compile a dynamic graph
+            ids = torch.randint(0, 128, (1, length))
+            got = compiled(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            want = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert backend.stats.graphs_seen == 2
+    dynamic = [p for p in backend.pieces if p.graph_index == 1]
+    assert [p.capturable for p in dynamic] == [True, False, True, False, True]  # 2 layers: 2N+1 pieces
+    assert all(p.reason.endswith("split by default (attention) [split_op]") for p in dynamic if not p.capturable)
