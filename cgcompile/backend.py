@@ -184,6 +184,7 @@ class Backend:
             self.session = previous
             for runner in self._graph_runners():
                 runner.session = previous
+                previous.register(runner)
         return CaptureMemoryProfile(reserved, graphs)
 
     def clear(self) -> None:

@@ -154,6 +154,7 @@ class BreakableRunner:
         self.config = config
         self.session = session
         self.graphs: dict[int, _BreakableGraph] = {}
+        self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
         self._forward = module.forward
         session.register(self)
 
@@ -200,9 +201,10 @@ class BreakableRunner:
         args, kwargs = pytree.tree_unflatten(static, spec)
         mode = self.session.mode
         if mode is Mode.WARMUP:
+            self._warmed.add(size)
             return _cut(self.session.warm_up(self._forward, *args, **kwargs), n, size, clone=True)
         if entry is None:
-            if mode is Mode.LAZY:
+            if mode is Mode.LAZY or size not in self._warmed:
                 self.session.warm_up(self._forward, *args, **kwargs)
             entry = self._capture(static, spec, args, kwargs, size)
         return self._replay(entry, leaves, n, size, spec)

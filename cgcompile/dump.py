@@ -27,8 +27,7 @@ def _code(gm) -> str:
 
 
 def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Piece], capture_dim: str) -> str:
-    folder = os.path.join(dump_dir, f"graph_{graph_index}")
-    os.makedirs(folder, exist_ok=True)
+    folder = _new_folder(dump_dir, graph_index)
     _write(folder, "original.py", _code(gm))
     _write(folder, "split.py", _code(split.stitch))
     for piece in pieces:
@@ -88,6 +87,20 @@ def format_summary(summary: dict) -> str:
         cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines) + "\n"
+
+
+def _new_folder(dump_dir: str, graph_index: int) -> str:
+    """graph_<k> for the first k >= graph_index not taken yet: several Backends (one per
+    graph with backend="cgcompile") may dump into one folder without overwriting."""
+    os.makedirs(dump_dir, exist_ok=True)
+    k = graph_index
+    while True:
+        try:
+            folder = os.path.join(dump_dir, f"graph_{k}")
+            os.makedirs(folder)
+            return folder
+        except FileExistsError:
+            k += 1
 
 
 def _write(folder: str, name: str, text: str) -> None:

@@ -112,6 +112,7 @@ class CudaGraphPiece(PieceRunner):
         self.layout = layout
         self.session = session
         self.graphs: dict[int, _Graph] = {}
+        self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
         self._copy_inputs = tuple(
             i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs
         )
@@ -171,10 +172,11 @@ class CudaGraphPiece(PieceRunner):
         padded, in_place = self._padded_args(args, n, size)
         mode = self.session.mode
         if mode is Mode.WARMUP:
+            self._warmed.add(size)
             outputs = self.session.warm_up(self.fn, *padded)
             return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
         if entry is None:
-            if mode is Mode.LAZY:
+            if mode is Mode.LAZY or size not in self._warmed:  # never capture a cold piece
                 self.session.warm_up(self.fn, *padded)
             return self._capture(padded, in_place, n, size)
         return self._replay(entry, args, n, size)

@@ -94,11 +94,6 @@ def test_pieces_show_up_in_depyf_dump(tmp_path):
     assert glob.glob(str(out / "full_code_for_forward_*.py"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="backend='cgcompile' builds a new Backend for every Dynamo graph, so every graph is "
-    "graph 0 and each dump overwrites DUMP_DIR/graph_0; see the report of issue 2",
-)
 def test_backend_by_name_dumps_every_graph(tmp_path, monkeypatch):
     def f(x):
         x = x.sin()
