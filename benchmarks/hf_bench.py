@@ -1,0 +1,283 @@
+"""Hugging Face generate() decode speed: eager, cgcompile with a DynamicCache, and transformers' static path.
+
+A ~1.1B-parameter Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
+8192, vocab 32000) with random bf16 weights; prompt 128 tokens, 256 new tokens, greedy,
+batch 1 and 8. Variants:
+
+    eager           model.generate() as is (DynamicCache)
+    cgcompile       model.forward = torch.compile(model.forward, backend=cgcompile.Backend(
+                    Config(compiler="inductor"))); DynamicCache, nothing else changed
+    static          transformers' recipe (docs/source/en/llm_optims.md, "Static kv-cache and
+                    torch.compile"): generation_config.cache_implementation = "static" and
+                    model.forward = torch.compile(model.forward, mode="reduce-overhead",
+                    fullgraph=True). On CUDA generate() also compiles its decode call
+                    itself (CompileConfig: inductor, reduce-overhead) because the cache is static.
+    static-auto     (not run by default) cache_implementation="static" alone: generate()'s
+                    automatic compile of the decode step, prefill eager
+
+    python benchmarks/hf_bench.py                                   # GPU machine, < 6 min
+    python benchmarks/hf_bench.py --tiny --device cpu               # smoke test, CUDA-only variants skipped
+
+Method:
+  - Every (variant, batch) starts cold: a freshly built model (same seed, same weights),
+    torch._dynamo.reset(), and one Inductor cache directory for the whole run that starts
+    empty (so warm-up times are cold compiles; --warm-cache keeps the default cache).
+  - first call: the first generate(256 new tokens), with tracing, compilation, capture.
+    It is also the largest call, so the static cache it sizes (prompt + 256) is reused
+    by the shorter calls after it and nothing recompiles.
+  - prefill: min over --repeats of generate(max_new_tokens=1) (prefill and one token).
+  - decode tokens/s: B * 255 / (t(256 new tokens) - t(1 new token)), min time over repeats.
+  - warm-up: first call - t(256 new tokens), the extra time the first call took.
+  - tokens = eager: how many of the greedy tokens equal eager's (bf16, so near ties may
+    part ways; informative only).
+Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
+every batch. Each variant runs under try/except; a failure is a row with its error.
+With OUT set, the results go to $OUT/hf_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import cgcompile
+
+FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+CUDA_ONLY = ("static", "static-auto")  # generate() compiles a static cache only on accelerators
+TARGET_VS_EAGER = 2.5
+TARGET_VS_STATIC = 0.9
+
+
+@dataclasses.dataclass
+class Row:
+    variant: str
+    batch: int
+    prefill_ms: float | None = None
+    decode_tok_s: float | None = None
+    first_call_s: float | None = None
+    warmup_s: float | None = None
+    tokens_equal_eager: str | None = None
+    dynamo_graphs: int | None = None
+    cgcompile_stats: dict | None = None
+    error: str | None = None
+
+
+# -- the variants: each prepares a fresh model; returns generate() kwargs and the backend --
+
+
+def setup_eager(model, args) -> tuple[dict, None]:
+    return {}, None
+
+
+def setup_cgcompile(model, args) -> tuple[dict, cgcompile.Backend]:
+    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
+    model.forward = torch.compile(model.forward, backend=backend)  # the one-line change
+    return {}, backend
+
+
+def setup_static(model, args) -> tuple[dict, None]:
+    model.generation_config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    return {}, None
+
+
+def setup_static_auto(model, args) -> tuple[dict, None]:
+    return {"cache_implementation": "static"}, None
+
+
+VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "static": setup_static, "static-auto": setup_static_auto}
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def build_model(args) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(**(TINY if args.tiny else FULL))
+    with torch.device(args.device):
+        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, args.dtype)).eval()
+    model.generation_config.eos_token_id = None  # random weights: always generate all tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def make_prompt(args, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(batch)
+    ids = torch.randint(3, vocab, (batch, args.prompt_len), generator=generator)  # [B, T]
+    return ids.to(args.device), torch.ones_like(ids, device=args.device)
+
+
+def timed(model, ids, mask, new_tokens: int, kwargs: dict) -> tuple[float, torch.Tensor]:
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    sync()
+    return time.perf_counter() - start, out
+
+
+def measure(variant: str, batch: int, args, eager_tokens: dict) -> Row:
+    row = Row(variant, batch)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = build_model(args)
+    kwargs, backend = VARIANTS[variant](model, args)
+    ids, mask = make_prompt(args, batch, model.config.vocab_size)
+    n = args.new_tokens
+    row.first_call_s, _ = timed(model, ids, mask, n, kwargs)
+    row.prefill_ms = 1e3 * min(timed(model, ids, mask, 1, kwargs)[0] for _ in range(args.repeats))
+    full_s, out = min((timed(model, ids, mask, n, kwargs) for _ in range(args.repeats)), key=lambda r: r[0])
+    row.decode_tok_s = batch * (n - 1) / (full_s - row.prefill_ms / 1e3)
+    row.warmup_s = row.first_call_s - full_s
+    row.dynamo_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    if variant == "eager":
+        eager_tokens[batch] = out
+    elif batch in eager_tokens:
+        row.tokens_equal_eager = f"{int((out == eager_tokens[batch]).sum())}/{out.numel()}"
+    if backend is not None:
+        row.cgcompile_stats = dataclasses.asdict(backend.stats) | decode_graph_pieces(backend)
+    return row
+
+
+def decode_graph_pieces(backend) -> dict:
+    last = backend.stats.graphs_seen - 1
+    pieces = [p for p in backend.pieces if p.graph_index == last]
+    return {"decode_graph_pieces": len(pieces), "decode_graph_capturable": sum(p.capturable for p in pieces)}
+
+
+def run_one(variant: str, batch: int, args, eager_tokens: dict) -> Row:
+    if variant in CUDA_ONLY and args.device != "cuda":
+        return Row(variant, batch, error="skipped: needs CUDA (generate() compiles static caches on accelerators only)")
+    try:
+        return measure(variant, batch, args, eager_tokens)
+    except Exception as e:  # one broken variant must not end the run
+        traceback.print_exc()
+        return Row(variant, batch, error=f"{type(e).__name__}: {e}"[:500])
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def rate(rows: list[Row], variant: str, batch: int) -> float | None:
+    return next((r.decode_tok_s for r in rows if (r.variant, r.batch) == (variant, batch)), None)
+
+
+def targets(rows: list[Row], batches: list[int]) -> list[dict]:
+    checks = [("cgcompile / eager", b, "eager", TARGET_VS_EAGER) for b in batches if b == 1]
+    checks += [("cgcompile / static", b, "static", TARGET_VS_STATIC) for b in batches]
+    result = []
+    for name, batch, base, threshold in checks:
+        ours, theirs = rate(rows, "cgcompile", batch), rate(rows, base, batch)
+        ratio = ours / theirs if ours and theirs else None
+        status = "n/a" if ratio is None else ("PASS" if ratio >= threshold else "FAIL")
+        result.append({"target": name, "batch": batch, "ratio": ratio, "threshold": threshold, "status": status})
+    return result
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(rows: list[Row], checks: list[dict]) -> None:
+    print(f"\n{'variant':<12} {'batch':>5} {'prefill ms':>10} {'decode tok/s':>12} {'x eager':>8} "
+          f"{'warm-up s':>9} {'first call s':>12} {'graphs':>6}  tokens = eager")
+    for r in rows:
+        eager = rate(rows, "eager", r.batch)
+        ratio = r.decode_tok_s / eager if r.decode_tok_s and eager else None
+        if r.error:
+            print(f"{r.variant:<12} {r.batch:>5}  {r.error}")
+            continue
+        print(f"{r.variant:<12} {r.batch:>5} {fmt(r.prefill_ms, '10.1f')} {fmt(r.decode_tok_s, '12.1f')} "
+              f"{fmt(ratio, '7.2f')}x {fmt(r.warmup_s, '9.1f')} {fmt(r.first_call_s, '12.1f')} "
+              f"{fmt(r.dynamo_graphs, '6d')}  {r.tokens_equal_eager or '-'}")
+    for r in rows:
+        if r.cgcompile_stats:
+            print(f"cgcompile batch {r.batch}: {r.cgcompile_stats}")
+    print()
+    for c in checks:
+        print(f"target {c['target']:<20} batch {c['batch']}: {fmt(c['ratio'], '.2f')} (>= {c['threshold']}) {c['status']}")
+
+
+def environment(args) -> dict:
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
+            "model": TINY if args.tiny else FULL, "dtype": args.dtype, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "compiler": args.compiler}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short runs: a smoke test")
+    parser.add_argument("--variants", default="eager,cgcompile,static", help=f"comma-separated, from {list(VARIANTS)}")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --tiny)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (16 with --tiny)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--compiler", choices=("eager", "inductor"), default=None,
+                        help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
+    parser.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--warm-cache", action="store_true", help="keep the default Inductor cache")
+    args = parser.parse_args()
+    on_cuda = args.device == "cuda"
+    args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
+    args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
+    args.compiler = args.compiler or ("inductor" if on_cuda else "eager")
+    args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.warm_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hf_bench_inductor_")
+    batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(",")
+    if "eager" in variants:  # eager first: its tokens are the reference
+        variants = ["eager"] + [v for v in variants if v != "eager"]
+    print(environment(args))
+    eager_tokens: dict[int, torch.Tensor] = {}
+    rows = []
+    for batch in batches:
+        for variant in variants:
+            rows.append(run_one(variant, batch, args, eager_tokens))
+            print(rows[-1], flush=True)
+            write_json(args, rows, targets(rows, batches))  # after every row: a killed run keeps its rows
+    checks = targets(rows, batches)
+    print_table(rows, checks)
+    if write_json(args, rows, checks):
+        print(f"wrote {os.environ['OUT']}/hf_bench.json")
+
+
+def write_json(args, rows: list[Row], checks: list[dict]) -> bool:
+    if not os.environ.get("OUT"):
+        return False
+    with open(os.path.join(os.environ["OUT"], "hf_bench.json"), "w") as f:
+        json.dump({"environment": environment(args), "rows": [dataclasses.asdict(r) for r in rows],
+                   "targets": checks}, f, indent=1)
+    return True
+
+
+if __name__ == "__main__":
+    main()

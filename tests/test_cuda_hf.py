@@ -1,0 +1,96 @@
+"""Hugging Face generate() through cgcompile on CUDA, with CUDA graphs. GPU machine only.
+
+The models, prompts and the one-line change come from test_hf_generate.py (CPU tier);
+here the capturable pieces are replayed from CUDA graphs. Every graph Dynamo compiles
+during generate() is static (input_ids is [B, 1] in decode; the cache length lives only
+in eager pieces), so each capturable piece is captured exactly once and replayed for
+every later token.
+"""
+
+import pytest
+import torch
+
+from test_hf_generate import ARCHS, PROMPT_LEN, compile_forward, prompt, tiny_model
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32_matmuls():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would make eager and graphs differ in rounding
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def cuda_model(arch: str, dtype=torch.float32):
+    return tiny_model(arch).to("cuda", dtype)
+
+
+def cuda_generate(model, batch: int, new_tokens: int, **kwargs):
+    ids, mask = prompt(batch)
+    kwargs.setdefault("do_sample", False)
+    return model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=new_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_greedy_tokens_equal_eager_with_graphs(arch, batch):
+    model = cuda_model(arch)
+    expected = cuda_generate(model, batch, 16)
+    backend = compile_forward(model)
+    assert torch.equal(cuda_generate(model, batch, 16), expected)
+    stats = backend.stats
+    assert stats.graphs_seen == 3
+    assert stats.graphs_captured == stats.capturable_pieces > 0  # one graph per capturable piece
+
+
+def test_captures_do_not_grow_with_tokens():
+    model = cuda_model("llama")
+    expected = cuda_generate(model, 1, 64)
+    backend = compile_forward(model)
+    cuda_generate(model, 1, 16)
+    after_16 = backend.stats
+    assert torch.equal(cuda_generate(model, 1, 64), expected)
+    assert backend.stats == after_16
+
+
+def test_fp32_sampling_with_a_seed_equals_eager():
+    model = cuda_model("llama")
+    sample = dict(do_sample=True, top_k=0, top_p=0.9, temperature=0.8)
+    torch.manual_seed(123)
+    expected = cuda_generate(model, 3, 16, **sample)
+    compile_forward(model)
+    torch.manual_seed(123)
+    assert torch.equal(cuda_generate(model, 3, 16, **sample), expected)
+
+
+def teacher_forced_logits(model, sequences: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Eager logits [B, N, V] for every generated token of `sequences`, in one forward pass.
+
+    Logits at position t predict token t + 1, so the N new tokens are predicted by
+    positions PROMPT_LEN - 1 .. PROMPT_LEN + N - 2. Position ids as generate() makes them.
+    """
+    new_tokens = sequences.shape[1] - PROMPT_LEN
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new_tokens)], dim=1)
+    position_ids = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=full_mask, position_ids=position_ids).logits
+    return logits[:, PROMPT_LEN - 1 : -1]
+
+
+@pytest.mark.parametrize("compiler, batch", [("eager", 3), ("inductor", 1)])
+def test_bf16_logits_close_to_eager(compiler, batch):
+    # bf16 greedy tokens may part ways at a near tie, so compare the logits of every
+    # step, prefill and both decode graphs, against eager on the same tokens.
+    model = cuda_model("llama", torch.bfloat16)
+    compile_forward(model, compiler=compiler)
+    out = cuda_generate(model, batch, 8, output_logits=True, return_dict_in_generate=True)
+    got = torch.stack(out.logits, dim=1).float()  # [B, 8, V]
+    del model.forward  # the class's forward again: eager
+    want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda()).float()
+    scale = want.abs().amax()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * scale.item())
