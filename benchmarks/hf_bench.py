@@ -16,6 +16,7 @@ batch 1 and 8. Variants:
                     automatic compile of the decode step, prefill eager
 
     python benchmarks/hf_bench.py                                   # GPU machine, < 6 min
+    python benchmarks/hf_bench.py --batches 1                       # half of it, if time is short
     python benchmarks/hf_bench.py --tiny --device cpu               # smoke test, CUDA-only variants skipped
 
 Method:
@@ -257,6 +258,9 @@ def main() -> None:
     if "eager" in variants:  # eager first: its tokens are the reference
         variants = ["eager"] + [v for v in variants if v != "eager"]
     print(environment(args))
+    if args.device == "cuda":  # CUDA context and cuBLAS handles: not part of any variant's first call
+        torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
+        torch.cuda.synchronize()
     eager_tokens: dict[int, torch.Tensor] = {}
     rows = []
     for batch in batches:
