@@ -96,6 +96,14 @@ def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[in
     return tuple(shape)
 
 
+def _zeros_with_layout_of(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Zeros of `shape` whose strides are ordered like `like`'s: compiled pieces check the
+    strides of their inputs, so a transposed input must stay transposed when padded."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))
+    buf = like.new_zeros([shape[d] for d in order])
+    return buf.permute([order.index(d) for d in range(like.dim())])
+
+
 @dataclasses.dataclass
 class _Graph:
     """One captured size: the graph and non-owning aliases of its static tensors."""
@@ -193,7 +201,7 @@ class CudaGraphPiece(PieceRunner):
                 padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
                 in_place.add(i)
             else:
-                buf = torch.zeros(shape, dtype=arg.dtype, device=arg.device)
+                buf = _zeros_with_layout_of(arg, shape)
                 _narrow(buf, dims, n).copy_(arg)
                 padded[i] = buf
         for i in self.layout.size_inputs:
