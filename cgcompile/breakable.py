@@ -28,7 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .capture import CaptureSession, Mode, abandon
+from .capture import CaptureSession, Mode, abandon, gc_paused
 from .config import Config
 from .errors import CaptureError
 from .split_ops import SplitOps
@@ -197,7 +197,9 @@ class BreakableRunner:
     # -- capture --------------------------------------------------------------------------
 
     def _first_call(self, leaves, spec, n: int, size: int, entry):
-        static = [_padded_copy(x, n, size) if isinstance(x, torch.Tensor) else x for x in leaves]
+        # Normal tensors even under inference_mode: a later replay outside it copies into them.
+        with torch.inference_mode(False):
+            static = [_padded_copy(x, n, size) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = pytree.tree_unflatten(static, spec)
         mode = self.session.mode
         if mode is Mode.WARMUP:
@@ -213,7 +215,7 @@ class BreakableRunner:
         recorder = _Recorder(self.session, f"{type(self.module).__name__}[size {size}]", self.config.split_ops)
         token = _ACTIVE_RECORDER.set(recorder)
         try:
-            with self.session.on_capture_stream():
+            with self.session.on_capture_stream(), gc_paused():
                 recorder.begin_segment()
                 try:
                     with recorder.mode:

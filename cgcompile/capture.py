@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import gc
 import logging
 import weakref
 from typing import Any, Callable
@@ -57,8 +58,11 @@ def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
         "strides": tuple(s * size for s in tensor.stride()),
         "version": 2,
     }
-    alias = torch.as_tensor(_DeviceArray(interface), device=tensor.device)
-    return alias.view(tensor.dtype)
+    # A normal tensor even when captured under inference_mode: replays outside it must
+    # still be able to copy into the graph's input buffers.
+    with torch.inference_mode(False):
+        alias = torch.as_tensor(_DeviceArray(interface), device=tensor.device)
+        return alias.view(tensor.dtype)
 
 
 def output_key(tensor: torch.Tensor, padded_shape: tuple[int, ...]) -> tuple:
@@ -146,7 +150,7 @@ class CaptureSession:
         make_args runs inside the capture, so the buffers it allocates come from the pool.
         Returns (graph, args, outputs); outputs are owning tensors, valid after a replay.
         """
-        with self.on_capture_stream():
+        with self.on_capture_stream(), gc_paused():
             graph = self.begin_graph()
             try:
                 args = make_args()
@@ -168,6 +172,26 @@ class CaptureSession:
             self._pool = None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No garbage collection while a graph is being captured.
+
+    A collection can run at any allocation, and it may then destroy unrelated CUDA
+    objects left in reference cycles by earlier work (graphs, events, streams' users).
+    Those destructors call into CUDA, which invalidates a capture in progress, seen as
+    "operation not permitted when stream is capturing" or a cuBLAS internal error on
+    the next kernel. Garbage made during capture is collected after it.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def abandon(graph: torch.cuda.CUDAGraph) -> None:

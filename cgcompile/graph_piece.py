@@ -104,12 +104,22 @@ def _zeros_with_layout_of(like: torch.Tensor, shape: tuple[int, ...]) -> torch.T
     return buf.permute([order.index(d) for d in range(like.dim())])
 
 
+@dataclasses.dataclass(frozen=True)
+class _CopyIn:
+    """An input replay copies unless it already lies where the graph reads it."""
+
+    index: int  # position among the piece's inputs
+    address: tuple[int, tuple[int, ...]]  # (data_ptr, stride) of the graph's buffer
+    buffer: torch.Tensor  # non-owning alias of that buffer
+    dims: tuple[int, ...]  # dims equal to the capture size: padded, and zeroed past n
+
+
 @dataclasses.dataclass
 class _Graph:
     """One captured size: the graph and non-owning aliases of its static tensors."""
 
     graph: torch.cuda.CUDAGraph
-    inputs: list  # per input: the tensor the graph reads (None for non-tensors)
+    copies: tuple[_CopyIn, ...]  # the tensor inputs that are not parameters or buffers
     addresses: list  # per input: (data_ptr, stride) at capture, None for non-tensors
     outputs: tuple[torch.Tensor, ...]
 
@@ -125,6 +135,10 @@ class CudaGraphPiece(PieceRunner):
             i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs
         )
         session.register(self)
+
+    @property
+    def step_fn(self):
+        return self.forward
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -147,16 +161,13 @@ class CudaGraphPiece(PieceRunner):
     # -- replay (hot path) -------------------------------------------------------------
 
     def _replay(self, entry: _Graph, args, n: int, size: int):
-        dims = self.layout.input_dims
-        for i in self._copy_inputs:
-            arg = args[i]
-            if not isinstance(arg, torch.Tensor):
-                continue
-            if (arg.data_ptr(), arg.stride()) != entry.addresses[i]:
-                dst = entry.inputs[i]
-                if n != size and dims[i]:
+        for copy in entry.copies:
+            arg = args[copy.index]
+            if arg.data_ptr() != copy.address[0] or arg.stride() != copy.address[1]:
+                dst = copy.buffer
+                if n != size and copy.dims:
                     dst.zero_()
-                    dst = _narrow(dst, dims[i], n)
+                    dst = _narrow(dst, copy.dims, n)
                 dst.copy_(arg)
         if self.session.check_addresses:
             self._check_addresses(entry, args)
@@ -220,12 +231,12 @@ class CudaGraphPiece(PieceRunner):
 
         graph, static_args, outputs = self.session.capture(self.piece_name, self.fn, make_args)
         outputs = tuple(outputs)
-        entry = _Graph(
-            graph,
-            [weak_alias(a) if isinstance(a, torch.Tensor) else None for a in static_args],
-            [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args],
-            tuple(weak_alias(o) for o in outputs),
+        addresses = [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args]
+        copies = tuple(
+            _CopyIn(i, addresses[i], weak_alias(static_args[i]), self.layout.input_dims[i])
+            for i in self._copy_inputs if isinstance(static_args[i], torch.Tensor)
         )
+        entry = _Graph(graph, copies, addresses, tuple(weak_alias(o) for o in outputs))
         self.graphs[size] = entry
         for i in self._copy_inputs:  # the first replay needs the real data
             if isinstance(static_args[i], torch.Tensor) and i not in in_place:

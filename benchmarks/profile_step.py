@@ -1,0 +1,101 @@
+"""Where the host time of one decode step goes: a profiling companion to decode_bench.py.
+
+A step of a graph-replaying variant is host-bound when the Python that launches it
+takes longer than the GPU work it launches. This script warms a variant up, then:
+
+  - host ms per step: wall time of N steps issued back to back, taken before the final
+    synchronize (the time the host needs to issue them), and the wall time after it;
+  - cProfile of the same N steps: the functions with the most own time (tottime).
+
+    python benchmarks/profile_step.py --model 1b --variants cgcompile-inductor --batches 1,8
+    python benchmarks/profile_step.py --device cpu --tiny            # smoke test
+
+With OUT set, each profile goes to $OUT/profile_<variant>_B<batch>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_bench as bench_lib  # noqa: E402
+
+
+def host_times(step, batch: int, steps: int, device) -> tuple[float, float]:
+    """(host ms per step to issue `steps` steps, wall ms per step including the GPU)."""
+    bench_lib.synchronize(device)
+    t0 = time.perf_counter()
+    for k in range(steps):
+        step(batch, bench_lib.timing_start(k), k)
+    issued = time.perf_counter()
+    bench_lib.synchronize(device)
+    done = time.perf_counter()
+    return (issued - t0) * 1e3 / steps, (done - t0) * 1e3 / steps
+
+
+def profile(step, batch: int, steps: int, device, top: int) -> str:
+    profiler = cProfile.Profile()
+    bench_lib.synchronize(device)
+    profiler.enable()
+    for k in range(steps):
+        step(batch, bench_lib.timing_start(k), k)
+    bench_lib.synchronize(device)
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def run(args) -> None:
+    cfg = bench_lib.MODEL_CONFIGS["tiny" if args.tiny else args.model]
+    bench = bench_lib.build_bench(args.model, cfg, args.device, torch.bfloat16 if args.device.type == "cuda" else torch.float32, args.batches)
+    variants = {v.name: v for v in bench_lib.VARIANTS}
+    for name in args.variants:
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            prepared = variants[name].prepare(bench)
+            bench_lib.measure_ready(prepared.step, args.batches, args.device)
+            for batch in args.batches:
+                for k in range(bench_lib.WARMUP_STEPS):
+                    prepared.step(batch, bench_lib.timing_start(k), k)
+                host_ms, wall_ms = host_times(prepared.step, batch, args.steps, args.device)
+                print(f"{name} B={batch}: host {host_ms:.3f} ms/step to issue, {wall_ms:.3f} ms/step wall", flush=True)
+                report = profile(prepared.step, batch, args.steps, args.device, args.top)
+                print(report, flush=True)
+                if os.environ.get("OUT"):
+                    path = os.path.join(os.environ["OUT"], f"profile_{name}_B{batch}.txt")
+                    with open(path, "w") as f:
+                        f.write(f"host {host_ms:.3f} ms/step, wall {wall_ms:.3f} ms/step\n{report}")
+        del prepared
+        bench_lib.release_memory(args.device)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("1b", "small"), default="1b")
+    p.add_argument("--variants", default="cgcompile-inductor")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--top", type=int, default=30, help="functions listed per profile")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args(argv)
+    args.device = torch.device(args.device)
+    args.batches = tuple(int(b) for b in args.batches.split(","))
+    args.variants = tuple(args.variants.split(","))
+    if args.tiny:
+        args.steps = min(args.steps, 5)
+    return args
+
+
+if __name__ == "__main__":
+    run(parse_args())
