@@ -1,0 +1,244 @@
+"""The model of the decode benchmark: a Llama-like decoder with random weights and three ways
+to run its attention, so every variant of `decode_bench.py` times the same weights and cache.
+
+    HostLengthDecoder   forward(ids, start): attention is the custom op
+                        `cgbench::decode_attention`, which takes the cache length as a host int
+    StaticMaskDecoder   forward(ids, pos): the same step with a device position and a mask,
+                        every shape static (the full-graph baseline)
+    HostStateDecoder    forward(ids): the cache length is read at call time from a
+                        DecodeState the caller sets before each step (vLLM's "forward
+                        context"), so breakable CUDA graphs can replay attention eagerly
+                        with the new length; the attention function is given by the caller
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SPLIT_OP = "cgbench::decode_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int = 32000
+    max_batch: int = 64
+    max_len: int = 1024
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+MODEL_CONFIGS = {
+    "1b": ModelConfig(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=8192),
+    "small": ModelConfig(hidden=512, layers=16, heads=8, kv_heads=4, intermediate=1536),
+    "tiny": ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):  # x: [T, hidden]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+class DecoderLayer(nn.Module):
+    """Projections, MLP and KV cache of one layer; attention is left to the caller.
+
+    The layer stops before attention and resumes after it, so the decoders below run the
+    same weights with different attention code.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        qkv_out = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, qkv_out, bias=False)  # fused q, k, v
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.mlp_norm = RMSNorm(cfg.hidden)
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)  # fused gate, up
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        cache_shape = (cfg.max_batch, cfg.kv_heads, cfg.max_len, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(cache_shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(cache_shape), persistent=False)
+
+    def qkv_heads(self, x):  # x: [T, hidden] -> q: [T, H, D], k, v: [T, KV, D]
+        c = self.cfg
+        q, k, v = self.qkv(self.attn_norm(x)).split(
+            [c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim], dim=-1
+        )
+        t = x.shape[0]
+        return q.view(t, c.heads, c.head_dim), k.view(t, c.kv_heads, c.head_dim), v.view(t, c.kv_heads, c.head_dim)
+
+    def finish(self, x, attn):  # x: [T, hidden], attn: [T, H, D] -> [T, hidden]
+        x = x + self.o_proj(attn.reshape(x.shape[0], -1))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    """Weights and KV caches; the decoders below share one instance.
+
+    No rotary embedding: it would need the position inside the capturable pieces, which the
+    host-length model only has as a host int. Leaving it out keeps all decoders identical.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def logits(self, x):  # x: [T, hidden] -> [T, vocab]
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def fill_caches(self, length: int, seed: int = 0) -> None:
+        """Random keys and values at positions < length, zeros after (deterministic)."""
+        gen = torch.Generator(device=self.embed.weight.device).manual_seed(seed)
+        for layer in self.layers:
+            for cache in (layer.k_cache, layer.v_cache):
+                cache.zero_()
+                cache[:, :, :length].normal_(generator=gen)
+
+
+def grouped_attention(q, k, v, mask=None):
+    """One query token per sequence attending over S cached positions, with GQA.
+
+    q: [B, H, D], k/v: [B, KV, S, D], mask: [1, 1, 1, S] bool or None -> [B, H, D].
+    The H // KV query heads that share a kv head become that head's "query positions",
+    so no kv head is repeated. Query head h uses kv head h // (H // KV).
+    """
+    b, h, d = q.shape
+    kv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v, attn_mask=mask)
+    return out.reshape(b, h, d)
+
+
+@torch.library.custom_op(SPLIT_OP, mutates_args=("k_cache", "v_cache"))
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+) -> torch.Tensor:
+    """Write k, v at position `start`, attend over positions 0..start (host-side length).
+
+    q: [B, H, D], k/v: [B, KV, D], caches: [B_max, KV, L, D] -> [B, H, D].
+    """
+    b = q.shape[0]
+    k_cache[:b, :, start] = k
+    v_cache[:b, :, start] = v
+    return grouped_attention(q, k_cache[:b, :, : start + 1], v_cache[:b, :, : start + 1])
+
+
+@decode_attention.register_fake
+def _(q, k, v, k_cache, v_cache, start):
+    return q.new_empty(q.shape)
+
+
+def static_attention(q, k, v, k_cache, v_cache, pos):
+    """The same step with every shape static: pos is a [1] device tensor.
+
+    The write is an index_put_ at a device position and attention runs over the whole
+    cache with a mask built on the device, so the step never reads the length on the host.
+    The write indexes the whole cache rather than a slice `cache[:B]`: functionalization
+    turns a write into a slice of a buffer into a copy of the whole slice, which Inductor
+    keeps (a [B, KV, L, D] copy per layer); a write into the buffer itself is done in place.
+    """
+    b = q.shape[0]
+    rows = torch.arange(b, device=pos.device)  # [B]
+    k_cache[rows, :, pos] = k  # rows and pos broadcast to [B]: writes k [B, KV, D]
+    v_cache[rows, :, pos] = v
+    mask = (torch.arange(k_cache.shape[2], device=pos.device) <= pos).view(1, 1, 1, -1)  # [1, 1, 1, L]
+    return grouped_attention(q, k_cache[:b], v_cache[:b], mask)
+
+
+class HostLengthDecoder(nn.Module):
+    """ids: [B], start: host int (cache length) -> logits [B, vocab]."""
+
+    def __init__(self, llama: Llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, ids, start: int):
+        x = self.llama.embed(ids)
+        for layer in self.llama.layers:
+            q, k, v = layer.qkv_heads(x)
+            attn = torch.ops.cgbench.decode_attention(q, k, v, layer.k_cache, layer.v_cache, start)
+            x = layer.finish(x, attn)
+        return self.llama.logits(x)
+
+
+class StaticMaskDecoder(nn.Module):
+    """ids: [B], pos: [1] int64 device tensor (cache length) -> logits [B, vocab]."""
+
+    def __init__(self, llama: Llama):
+        super().__init__()
+        self.llama = llama
+
+    def forward(self, ids, pos):
+        x = self.llama.embed(ids)
+        for layer in self.llama.layers:
+            q, k, v = layer.qkv_heads(x)
+            x = layer.finish(x, static_attention(q, k, v, layer.k_cache, layer.v_cache, pos))
+        return self.llama.logits(x)
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """Host-side state of the step in progress; the caller sets it before every step.
+
+    Breakable CUDA graphs replay an eager step with the arguments it was captured with,
+    so a length passed as an int would be frozen at capture; an object read at call time
+    is not.
+    """
+
+    start: int = 0  # cache length: the step writes at this position, attends over 0..start
+
+
+# (q [B, H, D], k/v [B, KV, D], k_cache/v_cache [B_max, KV, L, D], state) -> [B, H, D]
+StateAttention = Callable[..., torch.Tensor]
+
+
+def state_attention(q, k, v, k_cache, v_cache, state: DecodeState):
+    """decode_attention at the length the state holds now, not at capture."""
+    return torch.ops.cgbench.decode_attention(q, k, v, k_cache, v_cache, state.start)
+
+
+class HostStateDecoder(nn.Module):
+    """ids: [B] -> logits [B, vocab], at the cache length `state.start`.
+
+    `attention` is `state_attention` wrapped for the graph runner in use (an eager break);
+    it must take (q, k, v, k_cache, v_cache, state) and return [B, H, D].
+    """
+
+    def __init__(self, llama: Llama, state: DecodeState, attention: StateAttention = state_attention):
+        super().__init__()
+        self.llama = llama
+        self.state = state
+        self.attention = attention
+
+    def forward(self, ids):
+        x = self.llama.embed(ids)
+        for layer in self.llama.layers:
+            q, k, v = layer.qkv_heads(x)
+            x = layer.finish(x, self.attention(q, k, v, layer.k_cache, layer.v_cache, self.state))
+        return self.llama.logits(x)

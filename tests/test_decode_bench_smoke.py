@@ -1,0 +1,29 @@
+"""benchmarks/decode_bench.py runs on CPU (--tiny): every row, its checks against eager, the targets."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "decode_bench.py"
+VARIANTS = ("eager", "cgcompile-eager", "breakable", "peer-breakable")
+
+
+def test_decode_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "decode_bench.json"
+    command = [sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--variants", ",".join(VARIANTS), "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    model = json.loads(out.read_text())["models"]["tiny"]
+    rows = model["variants"]
+    assert list(rows) == list(VARIANTS)
+    for name in ("eager", "cgcompile-eager", "breakable"):
+        assert rows[name]["error"] is None, rows[name]["error"]
+        assert sorted(rows[name]["ms_per_step"]) == ["1", "64", "8"]
+        assert not any(check["flagged"] for check in rows[name]["checks"].values())
+    # The peer library is optional: without it its row says how to install it.
+    peer = rows["peer-breakable"]
+    assert peer["error"] is None or peer["error"].startswith("not installed"), peer["error"]
+    issue4 = [t for t in model["targets"] if t["issue"] == 4]
+    assert [t["op"] for t in issue4] == [">=", "<=", "<"]
+    assert issue4[2]["passed"] is None  # the capture-time target is for the 1b model, on CUDA
