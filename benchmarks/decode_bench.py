@@ -83,6 +83,7 @@ import torch
 
 # Run as a script, so benchmarks/ is on sys.path and its sibling modules import by name.
 from decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig, StaticMaskDecoder
+from decode_model import use_length_independent_attention_kernels
 from decode_variants import CAPTURE_SIZES, VARIANT_NAMES, VARIANTS, Bench, DecodeInputs, Prepared
 from decode_variants import Step, Unavailable, Variant, capture_start, cgcompile_config
 
@@ -542,6 +543,7 @@ def model_names(args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    use_length_independent_attention_kernels()
     report = {"env": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()}, "models": {}}
     log(f"decode bench on {report['env']['device']}, torch {torch.__version__}; writing {args.out}")
     try:

@@ -134,7 +134,6 @@ def grouped_attention(q, k, v, mask=None):
     return out.reshape(b, h, d)
 
 
-@torch.library.custom_op(SPLIT_OP, mutates_args=("k_cache", "v_cache"))
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
@@ -149,9 +148,33 @@ def decode_attention(
     return grouped_attention(q, k_cache[:b, :, : start + 1], v_cache[:b, :, : start + 1])
 
 
-@decode_attention.register_fake
-def _(q, k, v, k_cache, v_cache, start):
+def _decode_attention_fake(q, k, v, k_cache, v_cache, start):
     return q.new_empty(q.shape)
+
+
+# Registered the way serving engines register attention: a schema and a plain kernel per
+# backend. torch.library.custom_op would add Python autograd, version-counter and aliasing
+# checks around every call, about 50 us of host time per call on the GPU machine (measured
+# with benchmarks/profile_step.py), which would then dominate every variant's decode step.
+_LIB = torch.library.Library("cgbench", "FRAGMENT")
+_LIB.define(
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor"
+)
+for _backend in ("CPU", "CUDA"):
+    _LIB.impl("decode_attention", decode_attention, _backend)
+torch.library.register_fake(SPLIT_OP, _decode_attention_fake, lib=_LIB)
+
+
+def use_length_independent_attention_kernels() -> None:
+    """Turn off the cuDNN backend of scaled_dot_product_attention, for every variant.
+
+    A decode step attends over a cache one position longer than the step before. On the
+    GPU machine (H200, torch 2.11) SDPA picks cuDNN for this shape and builds a new cuDNN
+    plan for every new length: 45 ms per eager step instead of 5.8 ms with flash attention
+    (measured with benchmarks/profile_step.py). Serving engines call length-independent
+    kernels (flash attention with variable lengths); so does this benchmark.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def static_attention(q, k, v, k_cache, v_cache, pos):

@@ -56,6 +56,7 @@ def profile(step, batch: int, steps: int, device, top: int) -> str:
 
 
 def run(args) -> None:
+    bench_lib.use_length_independent_attention_kernels()
     cfg = bench_lib.MODEL_CONFIGS["tiny" if args.tiny else args.model]
     bench = bench_lib.build_bench(args.model, cfg, args.device, torch.bfloat16 if args.device.type == "cuda" else torch.float32, args.batches)
     variants = {v.name: v for v in bench_lib.VARIANTS}
@@ -63,7 +64,7 @@ def run(args) -> None:
         torch._dynamo.reset()
         with torch.inference_mode():
             prepared = variants[name].prepare(bench)
-            bench_lib.measure_ready(prepared.step, args.batches, args.device)
+            bench_lib.measure_ready(prepared, args.batches, args.device)
             for batch in args.batches:
                 for k in range(bench_lib.WARMUP_STEPS):
                     prepared.step(batch, bench_lib.timing_start(k), k)
