@@ -156,9 +156,11 @@ def _decode_attention_fake(q, k, v, k_cache, v_cache, start):
 # backend. torch.library.custom_op would add Python autograd, version-counter and aliasing
 # checks around every call, about 50 us of host time per call on the GPU machine (measured
 # with benchmarks/profile_step.py), which would then dominate every variant's decode step.
+# `SymInt start`, not `int start`: Dynamo must pass the traced length through as a symbol;
+# an `int` in the schema makes it specialise (and recompile) on every new length.
 _LIB = torch.library.Library("cgbench", "FRAGMENT")
 _LIB.define(
-    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int start) -> Tensor"
+    "decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, SymInt start) -> Tensor"
 )
 for _backend in ("CPU", "CUDA"):
     _LIB.impl("decode_attention", decode_attention, _backend)

@@ -55,6 +55,17 @@ def profile(step, batch: int, steps: int, device, top: int) -> str:
     return text.getvalue()
 
 
+def kernel_table(step, batch: int, steps: int, top: int) -> str:
+    """GPU kernels of `steps` steps by total device time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(steps):
+            step(batch, bench_lib.timing_start(k), k)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top)
+
+
 def run(args) -> None:
     bench_lib.use_length_independent_attention_kernels()
     cfg = bench_lib.MODEL_CONFIGS["tiny" if args.tiny else args.model]
@@ -71,6 +82,8 @@ def run(args) -> None:
                 host_ms, wall_ms = host_times(prepared.step, batch, args.steps, args.device)
                 print(f"{name} B={batch}: host {host_ms:.3f} ms/step to issue, {wall_ms:.3f} ms/step wall", flush=True)
                 report = profile(prepared.step, batch, args.steps, args.device, args.top)
+                if args.kernels and args.device.type == "cuda":
+                    report += "\n" + kernel_table(prepared.step, batch, 20, args.top)
                 print(report, flush=True)
                 if os.environ.get("OUT"):
                     path = os.path.join(os.environ["OUT"], f"profile_{name}_B{batch}.txt")
@@ -89,6 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=30, help="functions listed per profile")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="also a torch.profiler table of GPU kernels")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.batches = tuple(int(b) for b in args.batches.split(","))
