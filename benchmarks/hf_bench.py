@@ -7,13 +7,26 @@ batch 1 and 8. Variants:
     eager           model.generate() as is (DynamicCache)
     cgcompile       model.forward = torch.compile(model.forward, backend=cgcompile.Backend(
                     Config(compiler="inductor"))); DynamicCache, nothing else changed
-    static          transformers' recipe (docs/source/en/llm_optims.md, "Static kv-cache and
-                    torch.compile"): generation_config.cache_implementation = "static" and
-                    model.forward = torch.compile(model.forward, mode="reduce-overhead",
-                    fullgraph=True). On CUDA generate() also compiles its decode call
-                    itself (CompileConfig: inductor, reduce-overhead) because the cache is static.
-    static-auto     (not run by default) cache_implementation="static" alone: generate()'s
-                    automatic compile of the decode step, prefill eager
+    static          the baseline: transformers' own fast path, generate(cache_implementation="static")
+                    and nothing else. A static cache is compilable, so on CUDA generate() compiles
+                    its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
+                    (Inductor, mode="reduce-overhead"), and runs the prefill eagerly. Documented in
+                    transformers/generation/configuration_utils.py (CompileConfig: "arguments relative
+                    to torch.compile behavior, when using automatic compilation in generate", with a
+                    cache_implementation="static" example; GenerationConfig.compile_config and
+                    disable_compile); code in generation/utils.py (_valid_auto_compile_criteria;
+                    _prefill calls self(...)) and modeling_utils.py (get_compiled_call).
+
+Not a variant: the recipe of transformers' guide docs/source/en/llm_optims.md ("Static kv-cache
+and torch.compile"): a static cache plus model.forward = torch.compile(model.forward,
+mode="reduce-overhead", fullgraph=True). That compiles the prefill too, and StaticLayer allocates
+its keys, values and cumulative_length on the first update, in the prefill: inside a CUDA graph
+tree, where they become graph outputs that the next run overwrites (transformers' own comment in
+StaticLayer.lazy_initialization: "As prefill should never be compiled ..."). With generate()'s
+compile left on, the two reduce-overhead compilations also nest. On an H200 (torch 2.11,
+transformers 5.17) the first generate() fails with "accessing tensor output of CUDAGraphs that
+has been overwritten by a subsequent run" at cumulative_length.add_ in StaticLayer.update, with
+generate()'s compile on or off (disable_compile=True), so it measures nothing.
 
     python benchmarks/hf_bench.py                                   # GPU machine, < 6 min
     python benchmarks/hf_bench.py --batches 1                       # half of it, if time is short
@@ -26,7 +39,8 @@ Method:
   - first call: the first generate(256 new tokens), with tracing, compilation, capture.
     It is also the largest call, so the static cache it sizes (prompt + 256) is reused
     by the shorter calls after it and nothing recompiles.
-  - prefill: min over --repeats of generate(max_new_tokens=1) (prefill and one token).
+  - prefill: min over --repeats of generate(max_new_tokens=1) (prefill and one token; eager
+    in `static`, where generate() compiles only the decode step).
   - decode tokens/s: B * 255 / (t(256 new tokens) - t(1 new token)), min time over repeats.
   - warm-up: first call - t(256 new tokens), the extra time the first call took.
   - tokens = eager: how many of the greedy tokens equal eager's (bf16, so near ties may
@@ -58,7 +72,7 @@ FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidd
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-CUDA_ONLY = ("static", "static-auto")  # generate() compiles a static cache only on accelerators
+CUDA_ONLY = ("static",)  # generate() compiles a static cache's decode step on accelerators only
 TARGET_VS_EAGER = 2.5
 TARGET_VS_STATIC = 0.9
 
@@ -91,16 +105,11 @@ def setup_cgcompile(model, args) -> tuple[dict, cgcompile.Backend]:
 
 
 def setup_static(model, args) -> tuple[dict, None]:
-    model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    return {}, None
-
-
-def setup_static_auto(model, args) -> tuple[dict, None]:
+    # generate() sees a compilable cache on CUDA and compiles its decode step itself.
     return {"cache_implementation": "static"}, None
 
 
-VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "static": setup_static, "static-auto": setup_static_auto}
+VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "static": setup_static}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -162,7 +171,7 @@ def decode_graph_pieces(backend) -> dict:
 
 def run_one(variant: str, batch: int, args, eager_tokens: dict) -> Row:
     if variant in CUDA_ONLY and args.device != "cuda":
-        return Row(variant, batch, error="skipped: needs CUDA (generate() compiles static caches on accelerators only)")
+        return Row(variant, batch, error="skipped: needs CUDA (generate() compiles a static cache on accelerators only)")
     try:
         return measure(variant, batch, args, eager_tokens)
     except Exception as e:  # one broken variant must not end the run

@@ -1,12 +1,12 @@
 """CUDA graph runtime of the backend, against eager. Runs on the GPU machine only."""
 
-import copy
-
 import pytest
 import torch
 
 import cgcompile
 from cgcompile.testing import SILLY_OP, ToyLlama
+
+from cuda_helpers import capture_error_in_own_process, private_pools
 
 pytestmark = [
     pytest.mark.cuda,
@@ -82,20 +82,12 @@ def test_reuse_output_buffers_returns_static_buffers():
     torch.testing.assert_close(second, model(b))
 
 
-def _private_pools():
-    return {
-        tuple(seg["segment_pool_id"])
-        for seg in torch.cuda.memory_snapshot()
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-    }
-
-
 def test_graph_allocations_live_in_the_one_pool():
     model, backend, compiled = _compiled()
-    before = _private_pools()
+    before = private_pools()
     for n in (3, 16, 64):
         compiled(_ids(n))
-    assert _private_pools() - before == {tuple(backend.session.pool.handle)}
+    assert private_pools() - before == {tuple(backend.session.pool.handle)}
     assert backend.graph_memory() > 0
 
 
@@ -197,11 +189,7 @@ def test_lazy_init_op_gets_fresh_state_for_capture():
     torch.testing.assert_close(compiled(x, fresh), expected)
 
 
-# A capture that fails on an unjoined fork leaves the forked stream in capture mode for
-# the rest of the process, so this scenario runs in a process of its own.
-_SIDE_STREAM_SCRIPT = """
-import torch, cgcompile
-side = torch.cuda.Stream()
+_FORK_WITHOUT_JOIN = """
 lin = torch.nn.Linear(16, 16).cuda()
 x = torch.randn(4, 16, device="cuda")
 def fork_without_join(x):
@@ -211,17 +199,11 @@ def fork_without_join(x):
     return (y,)
 fork_without_join(x)
 torch.cuda.synchronize()
-try:
-    cgcompile.capture.CaptureSession((4,)).capture("my_piece", fork_without_join, lambda: (x,))
-except cgcompile.CaptureError as e:
-    print("CaptureError:", e)
 """
 
 
 def test_unjoined_side_stream_fails_naming_the_piece():
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-c", _SIDE_STREAM_SCRIPT], capture_output=True, text=True, timeout=120)
-    assert "CaptureError: capturing my_piece failed" in result.stdout, result.stdout + result.stderr
-    assert "side stream" in result.stdout
+    capture = 'cgcompile.capture.CaptureSession((4,)).capture("my_piece", fork_without_join, lambda: (x,))'
+    out = capture_error_in_own_process(_FORK_WITHOUT_JOIN, capture)
+    assert "CaptureError: capturing my_piece failed" in out, out
+    assert "side stream" in out

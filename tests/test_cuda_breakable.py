@@ -7,6 +7,8 @@ from torch import nn
 import cgcompile
 from cgcompile.testing import SILLY_OP, ToyLlama
 
+from cuda_helpers import capture_error_in_own_process, private_pools
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -160,7 +162,7 @@ def test_hf_llama_forward_equals_eager_at_padded_batches():
 def test_pool_shared_between_compiled_and_breakable_paths():
     model = _toy()
     manager = cgcompile.GraphManager(model, _config(use_breakable=False))
-    before = _private_pools()
+    before = private_pools()
     ids = torch.randint(0, 128, (6,), device="cuda")
     torch._dynamo.mark_dynamic(ids, 0)
     compiled_out = manager.run_pw_graph(model, (ids,))
@@ -172,16 +174,8 @@ def test_pool_shared_between_compiled_and_breakable_paths():
         torch.testing.assert_close(manager.run_breakable(ids), model(ids), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
     pool = tuple(manager.session.pool.handle)
-    assert _private_pools() - before == {pool}
+    assert private_pools() - before == {pool}
     assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graphs
-
-
-def _private_pools():
-    return {
-        tuple(seg["segment_pool_id"])
-        for seg in torch.cuda.memory_snapshot()
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-    }
 
 
 def test_clear_then_recapture():
@@ -195,10 +189,8 @@ def test_clear_then_recapture():
     assert manager.breakable.graphs
 
 
-_SIDE_STREAM_SCRIPT = """
-import torch, cgcompile
+_FORKS_BEFORE_A_BREAK = """
 from cgcompile.testing import SILLY_OP
-side = torch.cuda.Stream()
 class Forks(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -211,18 +203,11 @@ class Forks(torch.nn.Module):
 model = Forks().cuda()
 config = cgcompile.Config(splitting_ops=(SILLY_OP,), capture_sizes=(4,), use_breakable=True)
 manager = cgcompile.GraphManager(model, config, boundary=None)
-try:
-    manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
-except cgcompile.CaptureError as e:
-    print("CaptureError:", e)
 """
 
 
 def test_unjoined_side_stream_before_a_break_is_a_clear_error():
-    # In a process of its own: the unjoined fork stays in capture mode afterwards.
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, "-c", _SIDE_STREAM_SCRIPT], capture_output=True, text=True, timeout=120)
-    assert "CaptureError: capturing Forks[size 4] (segment before" in result.stdout, result.stdout + result.stderr
-    assert "side stream" in result.stdout
+    capture = 'manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))'
+    out = capture_error_in_own_process(_FORKS_BEFORE_A_BREAK, capture)
+    assert "CaptureError: capturing Forks[size 4] (segment before" in out, out
+    assert "side stream" in out

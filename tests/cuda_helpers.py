@@ -1,0 +1,32 @@
+"""Helpers of the GPU tests: which private memory pools exist, and capture failures in a process of their own."""
+
+import subprocess
+import sys
+
+import torch
+
+
+def private_pools() -> set[tuple[int, int]]:
+    """Ids of the private pools (CUDA graph pools) that hold memory segments now; (0, 0) is the default pool."""
+    return {
+        tuple(seg["segment_pool_id"])
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    }
+
+
+def capture_error_in_own_process(setup: str, capture: str) -> str:
+    """Run `setup`, then the one statement `capture`, in a fresh Python; return its stdout.
+
+    A capture that fails on an unjoined side-stream fork leaves the forked stream in capture
+    mode for the rest of the process, so such a scenario must not run in the test process.
+    `setup` runs after `import torch, cgcompile` and `side = torch.cuda.Stream()`; a
+    CaptureError from `capture` is printed as "CaptureError: <message>".
+    """
+    script = (
+        f"import torch, cgcompile\nside = torch.cuda.Stream()\n{setup}\n"
+        f"try:\n    {capture}\nexcept cgcompile.CaptureError as e:\n    print('CaptureError:', e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "CaptureError:" in result.stdout, result.stdout + result.stderr
+    return result.stdout
