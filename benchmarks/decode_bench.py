@@ -44,8 +44,12 @@ Method, and why it is fair:
   - Each variant compiles in a fresh Inductor cache (in memory and on disk), so its ready
     time is a cold compile that does not depend on the variants run before it. Pass
     --warm-cache to keep the caches (faster, but ready times then mean little).
-  - Step time: after untimed warm-up steps, CUDA events around every step; the median
-    is reported. Inputs (token ids, device positions) are built before timing. The
+  - Step time: every variant is prepared first and stays ready; then the variants take
+    turns, --rounds rounds of one --window of steps per (variant, batch), so all of them
+    see the same phases of the host (the GPU machine is a VM whose host time slows by up to
+    2x for seconds at a time). CUDA events around every step, after untimed warm-up steps
+    in each window. The verdicts use the median of every timed step; the lowest window
+    median ("best window") is reported beside it. Inputs (token ids, device positions) are built before timing. The
     cgcompile and breakable variants return a copy of the graphs' static logits (cgcompile's
     default, reuse_output_buffers=False; the peer's step clones to match); reduce-overhead
     returns cudagraph trees' output buffer, which its next step overwrites.
@@ -128,8 +132,9 @@ def build_bench(name: str, cfg: ModelConfig, device: torch.device, dtype: torch.
 @dataclasses.dataclass
 class VariantResult:
     name: str
-    ms_per_step: dict[int, float] = dataclasses.field(default_factory=dict)  # median, per batch
-    ms_mean: dict[int, float] = dataclasses.field(default_factory=dict)  # N steps back to back / N
+    ms_per_step: dict[int, float] = dataclasses.field(default_factory=dict)  # median of every timed step
+    ms_best_window: dict[int, float] = dataclasses.field(default_factory=dict)  # lowest window median
+    ms_mean: dict[int, float] = dataclasses.field(default_factory=dict)  # mean of every timed step
     ready_s: float | None = None  # until warm at every batch size: trace + compile + capture
     capture_s: float | None = None  # ahead-of-time warm-up + capture of every capture size, if any
     checks: dict[int, dict] = dataclasses.field(default_factory=dict)  # batch -> logits vs eager
@@ -174,8 +179,8 @@ def measure_ready(prepared: Prepared, batches, device) -> tuple[float, float | N
     return time.perf_counter() - t0, capture_s
 
 
-def time_steps(step: Step, batch: int, steps: int, device) -> tuple[list[float], float]:
-    """Per-step milliseconds of `steps` timed steps, and the back-to-back mean."""
+def time_window(step: Step, batch: int, steps: int, device) -> list[float]:
+    """Milliseconds of each of `steps` steps, after WARMUP_STEPS untimed ones."""
     for k in range(WARMUP_STEPS):
         step(batch, timing_start(k), k)
     if device.type != "cuda":
@@ -187,17 +192,48 @@ def time_steps(step: Step, batch: int, steps: int, device) -> tuple[list[float],
         step(batch, timing_start(k), k)
         end.record()
     torch.cuda.synchronize(device)
-    per_step = [begin.elapsed_time(end) for begin, end in events]
-    return per_step, events[0][0].elapsed_time(events[-1][1]) / steps
+    return [begin.elapsed_time(end) for begin, end in events]
 
 
-def _time_steps_host(step: Step, batch: int, steps: int) -> tuple[list[float], float]:
+def _time_steps_host(step: Step, batch: int, steps: int) -> list[float]:
     per_step = []
     for k in range(steps):
         t0 = time.perf_counter()
         step(batch, timing_start(k), k)
         per_step.append((time.perf_counter() - t0) * 1e3)
-    return per_step, sum(per_step) / steps
+    return per_step
+
+
+@torch.inference_mode()
+def time_interleaved(prepared: dict[str, Prepared], results: dict[str, VariantResult], batches,
+                     rounds: int, window: int, device) -> int:
+    """Time every (variant, batch) in `rounds` rounds of one window each, variants side by side.
+
+    The host of the GPU machine (a VM) slows down by up to 2x for seconds at a time. Timed
+    one after another, a variant that happened to run in a slow phase would look slower;
+    taking turns, window by window, every variant sees the same phases. Returns the
+    Dynamo graphs compiled while timing (should be 0).
+    """
+    graphs_before = dynamo_graph_count()
+    samples = {(name, b): [] for name in prepared for b in batches}
+    running = dict(prepared)
+    for _ in range(rounds):
+        for name, prep in list(running.items()):
+            for b in batches:
+                times, error = guarded(f"{name} timing", lambda: time_window(prep.step, b, window, device))
+                if error is not None:
+                    results[name].error = error
+                    del running[name]
+                    break
+                samples[name, b].append(times)
+    for (name, b), windows in samples.items():
+        if name not in running:
+            continue
+        every = [ms for w in windows for ms in w]
+        results[name].ms_per_step[b] = statistics.median(every)
+        results[name].ms_best_window[b] = min(statistics.median(w) for w in windows)
+        results[name].ms_mean[b] = statistics.fmean(every)
+    return dynamo_graph_count() - graphs_before
 
 
 def compare_logits(out: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -208,8 +244,8 @@ def compare_logits(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 @torch.inference_mode()
-def run_variant(variant: Variant, bench: Bench, batches, steps: int) -> VariantResult:
-    """Prepare, get warm (timed as ready time), check against eager, then time every batch.
+def prepare_variant(variant: Variant, bench: Bench, batches) -> tuple[VariantResult, Prepared]:
+    """Prepare, get warm (timed as ready time) and check against eager; timing comes later.
 
     Under inference_mode, as serving engines run: besides no_grad's effect it drops the
     autograd and ADInplaceOrView layers around every call of a Python custom op.
@@ -221,25 +257,18 @@ def run_variant(variant: Variant, bench: Bench, batches, steps: int) -> VariantR
     captured = "" if result.capture_s is None else f" (capture of all sizes {result.capture_s:.2f}s)"
     log(f"  {variant.name}: ready in {result.ready_s:.1f}s{captured}")
     result.checks = {b: compare_logits(prepared.step(b, CHECK_START, 0), bench.references[b]) for b in batches}
-    graphs_before_timing = dynamo_graph_count()
     for b in batches:
-        per_step, result.ms_mean[b] = time_steps(prepared.step, b, steps, bench.device)
-        result.ms_per_step[b] = statistics.median(per_step)
-        log_batch(result, b)
-    result.recompiles_while_timing = dynamo_graph_count() - graphs_before_timing
+        log_check(result, b)
     result.dynamo_graphs = dynamo_graph_count() - graphs_before
-    if prepared.report is not None:
-        result.runner = prepared.report()
-        log(f"  {variant.name}: {result.runner}")
     result.wall_s = time.perf_counter() - t0
-    return result
+    return result, prepared
 
 
-def log_batch(result: VariantResult, batch: int) -> None:
+def log_check(result: VariantResult, batch: int) -> None:
     check = result.checks[batch]
     flag = f"  FLAG: rel err > {REL_ERR_FLAG:.0e}" if check["flagged"] else ""
-    log(f"  {result.name}: B={batch:<3} {result.ms_per_step[batch]:8.3f} ms/step  "
-        f"logits vs eager: max abs {check['max_abs']:.3g}, rel {check['rel_err']:.3g}{flag}")
+    log(f"  {result.name}: B={batch:<3} logits vs eager: max abs {check['max_abs']:.3g}, "
+        f"rel {check['rel_err']:.3g}{flag}")
 
 
 # -- capture memory --------------------------------------------------------------------------
@@ -303,41 +332,47 @@ def _ok(results: dict[str, VariantResult], *names) -> bool:
     return all(n in results and results[n].error is None for n in names)
 
 
-def _worst_ratio(results: dict[str, VariantResult], name: str, base: str, batches) -> float:
-    return max(results[name].ms_per_step[b] / results[base].ms_per_step[b] for b in batches)
+# The step time a target reads: "ms_per_step" (median of every timed step; the verdict) or
+# "ms_best_window" (the lowest window median: the host at its quietest; informative).
+METRICS = ("ms_per_step", "ms_best_window")
 
 
-def _speed_up_at_1(results: dict[str, VariantResult], name: str, batches) -> float | None:
+def _worst_ratio(results: dict[str, VariantResult], name: str, base: str, batches, metric: str) -> float:
+    ours, theirs = getattr(results[name], metric), getattr(results[base], metric)
+    return max(ours[b] / theirs[b] for b in batches)
+
+
+def _speed_up_at_1(results: dict[str, VariantResult], name: str, batches, metric: str) -> float | None:
     if not _ok(results, name, "eager") or 1 not in batches:
         return None
-    return results["eager"].ms_per_step[1] / results[name].ms_per_step[1]
+    return getattr(results["eager"], metric)[1] / getattr(results[name], metric)[1]
 
 
-def evaluate_targets(results: dict[str, VariantResult], batches, model: str) -> list[Target]:
-    return issue3_targets(results, batches) + issue4_targets(results, batches, model)
+def evaluate_targets(results: dict[str, VariantResult], batches, model: str, metric: str = "ms_per_step") -> list[Target]:
+    return issue3_targets(results, batches, metric) + issue4_targets(results, batches, model, metric)
 
 
-def issue3_targets(results: dict[str, VariantResult], batches) -> list[Target]:
+def issue3_targets(results: dict[str, VariantResult], batches, metric: str) -> list[Target]:
     """cgcompile with Inductor pieces against the full graph and eager, as ratios within this run."""
     cg, ro = "cgcompile-inductor", "reduce-overhead"
     step_ratio = ready_ratio = None
     if _ok(results, cg, ro):
-        step_ratio = _worst_ratio(results, cg, ro, batches)
+        step_ratio = _worst_ratio(results, cg, ro, batches, metric)
         ready_ratio = results[cg].ready_s / results[ro].ready_s
     return [
         _target(3, "cgcompile-inductor step <= 1.15x reduce-overhead at every batch", step_ratio, "<=", 1.15),
-        _target(3, "cgcompile-inductor >= 3.5x faster than eager at B=1", _speed_up_at_1(results, cg, batches), ">=", 3.5),
+        _target(3, "cgcompile-inductor >= 3.5x faster than eager at B=1", _speed_up_at_1(results, cg, batches, metric), ">=", 3.5),
         _target(3, "cgcompile-inductor ready time <= 0.5x reduce-overhead warm-up", ready_ratio, "<=", 0.5),
     ]
 
 
-def issue4_targets(results: dict[str, VariantResult], batches, model: str) -> list[Target]:
+def issue4_targets(results: dict[str, VariantResult], batches, model: str, metric: str) -> list[Target]:
     """Breakable CUDA graphs: two ratios within this run and one absolute wall time."""
     br, cg = "breakable", "cgcompile-eager"
-    step_ratio = _worst_ratio(results, br, cg, batches) if _ok(results, br, cg) else None
+    step_ratio = _worst_ratio(results, br, cg, batches, metric) if _ok(results, br, cg) else None
     capture_s = results[br].capture_s if _ok(results, br) else None
     return [
-        _target(4, "breakable >= 4x faster than eager at B=1", _speed_up_at_1(results, br, batches), ">=", 4.0),
+        _target(4, "breakable >= 4x faster than eager at B=1", _speed_up_at_1(results, br, batches, metric), ">=", 4.0),
         _target(4, "breakable step <= 1.10x cgcompile-eager at every batch", step_ratio, "<=", 1.10),
         _target(4, f"breakable capture of all capture sizes < 3 s (absolute wall time, seconds; "
                    f"a target for the {CAPTURE_TARGET_MODEL} model)",
@@ -352,14 +387,14 @@ def peer_vs_breakable(results: dict[str, VariantResult], batches) -> dict[int, f
     return {b: results["peer-breakable"].ms_per_step[b] / results["breakable"].ms_per_step[b] for b in batches}
 
 
-def _ratios(results, name, base, batches, invert=False) -> str:
+def _ratios(results, name, base, batches, metric: str, invert=False) -> str:
     if not _ok(results, name, base):
         return "-"
-    r, b_ = results[name].ms_per_step, results[base].ms_per_step
+    r, b_ = getattr(results[name], metric), getattr(results[base], metric)
     return "/".join(f"{(b_[b] / r[b]) if invert else (r[b] / b_[b]):.2f}" for b in batches)
 
 
-def format_table(results: dict[str, VariantResult], batches) -> str:
+def format_table(results: dict[str, VariantResult], batches, metric: str = "ms_per_step") -> str:
     ms_cols = [f"B={b} ms" for b in batches]
     batch_list = "/".join(map(str, batches))
     header = ["variant", *ms_cols, f"x RO ({batch_list})", f"speed-up vs eager ({batch_list})", "ready s", "capture s"]
@@ -370,9 +405,9 @@ def format_table(results: dict[str, VariantResult], batches) -> str:
             continue
         rows.append([
             name,
-            *(f"{r.ms_per_step[b]:.3f}" for b in batches),
-            _ratios(results, name, "reduce-overhead", batches),
-            _ratios(results, name, "eager", batches, invert=True),
+            *(f"{getattr(r, metric)[b]:.3f}" for b in batches),
+            _ratios(results, name, "reduce-overhead", batches, metric),
+            _ratios(results, name, "eager", batches, metric, invert=True),
             f"{r.ready_s:.1f}",
             "-" if r.capture_s is None else f"{r.capture_s:.2f}",
         ])
@@ -451,10 +486,23 @@ def run_model(name: str, cfg: ModelConfig, args, report: dict, write: Callable[[
     model_report = report["models"][name] = {"config": dataclasses.asdict(cfg), "params": params, "variants": {}}
     log(f"model {name}: {params / 1e9:.3f}B parameters, eager references at start {CHECK_START}")
     results: dict[str, VariantResult] = {}
+    prepared: dict[str, Prepared] = {}
     for variant in (v for v in VARIANTS if v.name in args.variants):
-        results[variant.name] = run_one_variant(variant, bench, args, model_report)
-        write()
-    if MEMORY_STEP in args.variants and "cgcompile-inductor" not in args.variants:
+        results[variant.name], prep = prepare_one_variant(variant, bench, args)
+        if prep is not None:
+            prepared[variant.name] = prep
+    log(f"model {name}: timing {len(prepared)} variants side by side, {args.rounds} rounds of "
+        f"{args.window} steps per batch size")
+    model_report["recompiles_while_timing"] = time_interleaved(
+        prepared, results, args.batches, args.rounds, args.window, args.device)
+    for variant_name, prep in prepared.items():
+        if prep.report is not None and results[variant_name].error is None:
+            results[variant_name].runner = prep.report()
+    model_report["variants"] = {n: dataclasses.asdict(r) for n, r in results.items()}
+    del prepared
+    release_memory(args.device)
+    write()
+    if MEMORY_STEP in args.variants:
         with compile_cache_scope(args.warm_cache):
             run_memory_check(bench, args, model_report)
     finish_model(name, results, args.batches, model_report)
@@ -463,19 +511,13 @@ def run_model(name: str, cfg: ModelConfig, args, report: dict, write: Callable[[
     release_memory(args.device)
 
 
-def run_one_variant(variant: Variant, bench: Bench, args, model_report: dict) -> VariantResult:
+def prepare_one_variant(variant: Variant, bench: Bench, args) -> tuple[VariantResult, Prepared | None]:
     log(f"model {bench.name}: variant {variant.name}")
     if variant.cuda_graphs and args.device.type != "cuda":
         log(f"  {variant.name}: no CUDA here, so it runs without CUDA graphs")
-    with compile_cache_scope(args.warm_cache):
-        result, error = guarded(variant.name, lambda: run_variant(variant, bench, args.batches, args.steps))
-        if variant.name == "cgcompile-inductor" and MEMORY_STEP in args.variants:
-            release_memory(args.device)  # same Inductor cache: its pieces are not compiled again
-            run_memory_check(bench, args, model_report)
-    result = result or VariantResult(variant.name, error=error)
-    model_report["variants"][variant.name] = dataclasses.asdict(result)
-    release_memory(args.device)
-    return result
+    with compile_cache_scope(args.warm_cache):  # a cold compile: the scope covers compile and capture
+        prepared, error = guarded(variant.name, lambda: prepare_variant(variant, bench, args.batches))
+    return prepared or (VariantResult(variant.name, error=error), None)
 
 
 def run_memory_check(bench: Bench, args, model_report: dict) -> None:
@@ -494,23 +536,30 @@ def run_memory_check(bench: Bench, args, model_report: dict) -> None:
 
 def finish_model(name: str, results: dict[str, VariantResult], batches, model_report: dict) -> None:
     targets = evaluate_targets(results, batches, name)
+    best = evaluate_targets(results, batches, name, "ms_best_window")
     model_report["targets"] = [dataclasses.asdict(t) for t in targets]
+    model_report["targets_best_window"] = [dataclasses.asdict(t) for t in best]
     peer = model_report["peer_vs_breakable"] = peer_vs_breakable(results, batches)
-    print(f"\n== {name}: median ms per decode step ==", flush=True)
+    print(f"\n== {name}: median ms per decode step (every timed step) ==", flush=True)
     print(format_table(results, batches), flush=True)
+    print(f"\n== {name}: best window (lowest median of one window; informative) ==", flush=True)
+    print(format_table(results, batches, "ms_best_window"), flush=True)
+    print(f"Dynamo graphs compiled while timing: {model_report.get('recompiles_while_timing')}", flush=True)
     if "memory" in model_report and "ratio" in model_report["memory"]:
         m = model_report["memory"]
         print(f"capture pool: all sizes / largest = {m['ratio']:.3f} (target <= 1.25)", flush=True)
     if peer is not None:
         ratios = ", ".join(f"B={b} {r:.2f}" for b, r in peer.items())
         print(f"peer-breakable step / breakable step (informative): {ratios}", flush=True)
-    print("targets:\n" + format_targets(targets) + "\n", flush=True)
+    print("targets (verdict, median of every step):\n" + format_targets(targets), flush=True)
+    print("the same targets on the best windows (informative):\n" + format_targets(best) + "\n", flush=True)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("1b", "small", "both"), default="both")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per batch size (50; 2 with --tiny)")
+    p.add_argument("--rounds", type=int, default=None, help="timing rounds, variants side by side (10; 1 with --tiny)")
+    p.add_argument("--window", type=int, default=None, help="timed steps per variant, batch and round (20; 2 with --tiny)")
     p.add_argument("--batches", default="1,8,64", help="comma list of batch sizes (<= 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
@@ -530,8 +579,8 @@ def parse_args(argv=None):
         p.error(f"--variants: unknown {unknown}; choose from {VARIANT_NAMES + (MEMORY_STEP,)}")
     if max(args.batches) > max(CAPTURE_SIZES):
         p.error(f"--batches: expected sizes <= {max(CAPTURE_SIZES)} (the KV cache's batch), got {args.batches}")
-    if args.steps is None:
-        args.steps = 2 if args.tiny else 50
+    args.rounds = args.rounds or (1 if args.tiny else 10)
+    args.window = args.window or (2 if args.tiny else 20)
     return args
 
 
@@ -544,6 +593,9 @@ def model_names(args) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_length_independent_attention_kernels()
+    # Every variant stays compiled until the side-by-side timing ends: three Dynamo graphs
+    # each for three compiled variants of one forward exceed the default limit of 8.
+    torch._dynamo.config.recompile_limit = 64
     report = {"env": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()}, "models": {}}
     log(f"decode bench on {report['env']['device']}, torch {torch.__version__}; writing {args.out}")
     try:

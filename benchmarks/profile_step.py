@@ -76,11 +76,19 @@ def run(args) -> None:
         with torch.inference_mode():
             prepared = variants[name].prepare(bench)
             bench_lib.measure_ready(prepared, args.batches, args.device)
+            if args.shutdown_compile_workers:
+                from torch._inductor.async_compile import shutdown_compile_workers
+
+                shutdown_compile_workers()
             for batch in args.batches:
                 for k in range(bench_lib.WARMUP_STEPS):
                     prepared.step(batch, bench_lib.timing_start(k), k)
                 host_ms, wall_ms = host_times(prepared.step, batch, args.steps, args.device)
                 print(f"{name} B={batch}: host {host_ms:.3f} ms/step to issue, {wall_ms:.3f} ms/step wall", flush=True)
+                windows = [host_times(prepared.step, batch, 50, args.device)[0] for _ in range(args.windows)]
+                if windows:
+                    print(f"  host ms/step in {args.windows} windows of 50 steps: "
+                          + " ".join(f"{w:.2f}" for w in windows), flush=True)
                 report = profile(prepared.step, batch, args.steps, args.device, args.top)
                 if args.kernels and args.device.type == "cuda":
                     report += "\n" + kernel_table(prepared.step, batch, 20, args.top)
@@ -103,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also a torch.profiler table of GPU kernels")
+    p.add_argument("--windows", type=int, default=0, help="then host time in this many windows of 50 steps")
+    p.add_argument("--shutdown-compile-workers", action="store_true",
+                   help="stop Inductor's compile worker processes once the variant is ready")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.batches = tuple(int(b) for b in args.batches.split(","))
