@@ -158,9 +158,28 @@ def measure(variant: str, batch: int, args, eager_tokens: dict) -> Row:
         eager_tokens[batch] = out
     elif batch in eager_tokens:
         row.tokens_equal_eager = f"{int((out == eager_tokens[batch]).sum())}/{out.numel()}"
+    if args.profile:
+        write_profile(model, ids, mask, kwargs, f"{variant}_B{batch}")
     if backend is not None:
         row.cgcompile_stats = dataclasses.asdict(backend.stats) | decode_graph_pieces(backend)
     return row
+
+
+def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 64) -> None:
+    """cProfile of one warm generate(): where the host time of a decode step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    timed(model, ids, mask, new_tokens, kwargs)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    folder = os.environ.get("OUT", ".")
+    with open(os.path.join(folder, f"profile_hf_{name}.txt"), "w") as f:
+        f.write(text.getvalue())
 
 
 def decode_graph_pieces(backend) -> dict:
@@ -246,6 +265,7 @@ def parse_args() -> argparse.Namespace:
                         help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
     parser.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warm-cache", action="store_true", help="keep the default Inductor cache")
+    parser.add_argument("--profile", action="store_true", help="cProfile one warm generate() per row ($OUT/profile_hf_*.txt)")
     args = parser.parse_args()
     on_cuda = args.device == "cuda"
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)

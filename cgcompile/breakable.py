@@ -67,7 +67,15 @@ class _EagerStep:
 
     def __call__(self) -> None:
         result = self.fn(*self.args, **self.kwargs)
-        for static, new in zip(self.outputs, _tensor_leaves(result)):
+        # One tensor is the common case (attention); skip flattening it on every replay.
+        new_leaves = (result,) if isinstance(result, torch.Tensor) else _tensor_leaves(result)
+        if len(new_leaves) != len(self.outputs):
+            raise CaptureError(
+                f"eager step {getattr(self.fn, '__qualname__', self.fn)}: returned {len(new_leaves)} tensors "
+                f"at replay but {len(self.outputs)} at capture; an eager break must return the same "
+                f"structure every call (later graph segments read the captured outputs)"
+            )
+        for static, new in zip(self.outputs, new_leaves):
             if new.data_ptr() != static.data_ptr():
                 static.copy_(new)
 
