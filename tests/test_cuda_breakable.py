@@ -211,3 +211,78 @@ def test_unjoined_side_stream_before_a_break_is_a_clear_error():
     out = capture_error_in_own_process(_FORKS_BEFORE_A_BREAK, capture)
     assert "CaptureError: capturing Forks[size 4] (segment before" in out, out
     assert "side stream" in out
+
+
+class Flip:
+    tuple_result = False
+
+
+@cgcompile.eager_break
+def scale_or_pair(x, flip):
+    return (x * 2, x) if flip.tuple_result else x * 2
+
+
+class FlipModel(nn.Module):
+    def __init__(self, flip):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.flip = flip
+
+    def forward(self, x):
+        out = scale_or_pair(self.a(x), self.flip)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_eager_break_that_changes_its_result_structure_fails_loudly():
+    flip = Flip()
+    model = FlipModel(flip).cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
+    flip.tuple_result = True
+    with pytest.raises(cgcompile.CaptureError, match="returned 2 tensors at replay but 1 at capture"):
+        manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
+
+
+def _graph_in_a_cycle():
+    graph = torch.cuda.CUDAGraph()
+    x = torch.zeros(8, device="cuda")
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    cycle = {"graph": graph, "x": x}
+    cycle["self"] = cycle
+    return cycle
+
+
+class DropsCyclesDuringCapture(nn.Module):
+    """Lets go of graphs held in reference cycles in its second call: the capture run."""
+
+    def __init__(self, cycles):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.cycles = cycles
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            self.cycles.clear()
+        return self.a(x).relu()
+
+
+def test_garbage_collection_cannot_run_during_capture():
+    # Only the collector frees a graph held in a reference cycle, whenever it next runs.
+    # A graph freed inside another capture makes CUDA calls that invalidate that capture;
+    # the collector is paused during capture, so the graphs below are freed after it.
+    import gc
+
+    model = DropsCyclesDuringCapture([_graph_in_a_cycle() for _ in range(8)]).cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    x = torch.randn(4, 16, device="cuda")
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)  # an automatic collection at nearly every allocation
+    try:
+        out = manager.run_pw_graph(model, (x,))  # warm-up, then the capture
+    finally:
+        gc.set_threshold(*thresholds)
+    assert model.calls == 2 and not model.cycles
+    torch.testing.assert_close(out, model(x))
