@@ -178,11 +178,12 @@ class CaptureSession:
 def gc_paused():
     """No garbage collection while a graph is being captured.
 
-    A collection can run at any allocation, and it may then destroy unrelated CUDA
-    objects left in reference cycles by earlier work (graphs, events, streams' users).
-    Those destructors call into CUDA, which invalidates a capture in progress, seen as
-    "operation not permitted when stream is capturing" or a cuBLAS internal error on
-    the next kernel. Garbage made during capture is collected after it.
+    A collection can start at any allocation and run the destructors of unrelated objects
+    that earlier work left in reference cycles; a destructor that calls into CUDA is not
+    allowed while a stream captures. Seen on the GPU machine: lazy breakable captures
+    that failed after earlier tests had run (cuBLAS internal error, invalidated capture)
+    and pass with collection paused; tests/test_cuda_breakable.py fails the same way
+    without it. Garbage made during capture is collected after it.
     """
     if not gc.isenabled():
         yield
