@@ -8,7 +8,9 @@ pass copies them into every piece that needs them.
 Rules, in order:
   split_op      the op is attention or another op the user or torch marks as unsafe
   host_sync     the op reads device data on the host (`.item()`, `.tolist()`, nonzero)
-  device_copy   the output lives on another device than the inputs (`.to("cpu")`)
+  device_copy   the output lives on another device than the inputs (`.to("cpu")`), or
+                the op builds an accelerator tensor from host data (`torch.tensor(list,
+                device="cuda")`): a copy from host memory that a graph cannot replay
   cpu_tensor    the graph runs on an accelerator but this op computes on the CPU
   dynamic_shape an input or output shape depends on a symbolic size that is not the
                 capture dimension (a growing KV cache's length, data-dependent sizes)
@@ -47,6 +49,8 @@ class SplitReason:
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
 _HOST_SYNC_FUNCTIONS = frozenset({torch.nonzero, torch.Tensor.item, torch.Tensor.tolist})
 _HOST_SYNC_ATEN = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
+_FROM_HOST_DATA_FUNCTIONS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+_FROM_HOST_DATA_METHODS = frozenset({"new_tensor"})
 
 
 def is_floating(node: Node) -> bool:
@@ -113,6 +117,9 @@ def _host_sync(node: Node) -> str | None:
 
 
 def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) -> tuple[str, str] | None:
+    if on_accelerator and _builds_from_host_data(node):
+        name = getattr(node.target, "__name__", node.target)
+        return "device_copy", f"{name}(...) copies host data to the device on every call"
     in_devices = {t.device for a in node.all_input_nodes for t in tensors_in(example_value(a))}
     for out in outputs:
         if in_devices and out.device not in in_devices:
@@ -120,6 +127,12 @@ def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) 
     if on_accelerator and any(out.device.type == "cpu" for out in outputs):
         return "cpu_tensor", "computes on CPU tensors, which a CUDA graph cannot hold"
     return None
+
+
+def _builds_from_host_data(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _FROM_HOST_DATA_METHODS
+    return node.op == "call_function" and node.target in _FROM_HOST_DATA_FUNCTIONS
 
 
 def _symbol_rule(node: Node, outputs: list[torch.Tensor], allowed: set) -> tuple[str, str] | None:

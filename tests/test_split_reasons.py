@@ -119,3 +119,33 @@ def test_view_only_stretch_folds_into_eager_piece():
     assert torch.equal(compiled(x), f(x))
     assert [p.capturable for p in backend.pieces] == [False, True]
     assert "view_only" in rules(backend.pieces[0])
+
+
+def test_tensor_from_a_python_list_is_a_host_to_device_copy():
+    # On an accelerator, torch.tensor(list, device=...) copies host memory each call: a
+    # graph would replay a copy from a host buffer it does not own. Checked with the pure
+    # pass on a graph traced on CPU, told that the graph runs on an accelerator.
+    from cgcompile.passes import classify_nodes
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(x):
+        idx = torch.tensor([0, 2], device=x.device)
+        return (x[idx] * 2).relu()
+
+    torch.compile(f, backend=record)(torch.randn(4, 2))
+    eager = classify_nodes(
+        graphs[0], op_reason=lambda target: None, capture_symbol=None,
+        on_accelerator=True, mutable_inputs=frozenset(),
+    )
+    reasons = {str(r) for r in eager.values()}
+    assert "idx: tensor(...) copies host data to the device on every call [device_copy]" in reasons
+    off_accelerator = classify_nodes(
+        graphs[0], op_reason=lambda target: None, capture_symbol=None,
+        on_accelerator=False, mutable_inputs=frozenset(),
+    )
+    assert off_accelerator == {}  # on CPU nothing is copied, and nothing is captured anyway
