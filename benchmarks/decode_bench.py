@@ -88,6 +88,7 @@ import torch
 # Run as a script, so benchmarks/ is on sys.path and its sibling modules import by name.
 from decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig, StaticMaskDecoder
 from decode_model import use_length_independent_attention_kernels
+from compile_cache import fresh_compile_cache
 from decode_variants import CAPTURE_SIZES, VARIANT_NAMES, VARIANTS, Bench, DecodeInputs, Prepared
 from decode_variants import Step, Unavailable, Variant, capture_start, cgcompile_config
 
@@ -449,16 +450,6 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
 
 
-def compile_cache_scope(warm: bool):
-    """A fresh Inductor cache (disk and memory) for one variant, unless --warm-cache."""
-    if warm:
-        return contextlib.nullcontext()
-    from torch._inductor import utils
-
-    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
-    return fresh()
-
-
 def release_memory(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -503,7 +494,7 @@ def run_model(name: str, cfg: ModelConfig, args, report: dict, write: Callable[[
     release_memory(args.device)
     write()
     if MEMORY_STEP in args.variants:
-        with compile_cache_scope(args.warm_cache):
+        with fresh_compile_cache(args.warm_cache):
             run_memory_check(bench, args, model_report)
     finish_model(name, results, args.batches, model_report)
     write()
@@ -515,7 +506,7 @@ def prepare_one_variant(variant: Variant, bench: Bench, args) -> tuple[VariantRe
     log(f"model {bench.name}: variant {variant.name}")
     if variant.cuda_graphs and args.device.type != "cuda":
         log(f"  {variant.name}: no CUDA here, so it runs without CUDA graphs")
-    with compile_cache_scope(args.warm_cache):  # a cold compile: the scope covers compile and capture
+    with fresh_compile_cache(args.warm_cache):  # a cold compile: the scope covers compile and capture
         prepared, error = guarded(variant.name, lambda: prepare_variant(variant, bench, args.batches))
     return prepared or (VariantResult(variant.name, error=error), None)
 

@@ -34,8 +34,8 @@ generate()'s compile on or off (disable_compile=True), so it measures nothing.
 
 Method:
   - Every (variant, batch) starts cold: a freshly built model (same seed, same weights),
-    torch._dynamo.reset(), and one Inductor cache directory for the whole run that starts
-    empty (so warm-up times are cold compiles; --warm-cache keeps the default cache).
+    torch._dynamo.reset(), and empty Inductor caches (so warm-up times are cold compiles and
+    no variant reuses kernels another compiled; --warm-cache keeps the default cache).
   - first call: the first generate(256 new tokens), with tracing, compilation, capture.
     It is also the largest call, so the static cache it sizes (prompt + 256) is reused
     by the shorter calls after it and nothing recompiles.
@@ -58,7 +58,6 @@ import gc
 import json
 import os
 import platform
-import tempfile
 import time
 import traceback
 
@@ -67,6 +66,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
+from compile_cache import fresh_compile_cache
 
 FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -192,7 +192,8 @@ def run_one(variant: str, batch: int, args, eager_tokens: dict) -> Row:
     if variant in CUDA_ONLY and args.device != "cuda":
         return Row(variant, batch, error="skipped: needs CUDA (generate() compiles a static cache on accelerators only)")
     try:
-        return measure(variant, batch, args, eager_tokens)
+        with fresh_compile_cache(args.warm_cache):
+            return measure(variant, batch, args, eager_tokens)
     except Exception as e:  # one broken variant must not end the run
         traceback.print_exc()
         return Row(variant, batch, error=f"{type(e).__name__}: {e}"[:500])
@@ -280,8 +281,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if not args.warm_cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="hf_bench_inductor_")
     batches = [int(b) for b in args.batches.split(",")]
     variants = args.variants.split(",")
     if "eager" in variants:  # eager first: its tokens are the reference
