@@ -130,9 +130,14 @@ def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) 
 
 
 def _builds_from_host_data(node: Node) -> bool:
+    """torch.tensor(data, device=...) and kin, with data to copy (`torch.tensor([])`, as
+    Hugging Face's caches start, copies nothing and stays capturable)."""
     if node.op == "call_method":
-        return node.target in _FROM_HOST_DATA_METHODS
-    return node.op == "call_function" and node.target in _FROM_HOST_DATA_FUNCTIONS
+        builds, data = node.target in _FROM_HOST_DATA_METHODS, node.args[1:2]
+    else:
+        builds, data = node.op == "call_function" and node.target in _FROM_HOST_DATA_FUNCTIONS, node.args[:1]
+    empty = bool(data) and isinstance(data[0], (list, tuple)) and len(data[0]) == 0
+    return builds and not empty
 
 
 def _symbol_rule(node: Node, outputs: list[torch.Tensor], allowed: set) -> tuple[str, str] | None:
