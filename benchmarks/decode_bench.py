@@ -554,7 +554,7 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,8,64", help="comma list of batch sizes (<= 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
-    p.add_argument("--tiny", action="store_true", help="a 2-layer toy model, 2 steps unless --steps (smoke test)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer toy model, one round of 2-step windows unless --rounds/--window (smoke test)")
     p.add_argument("--variants", default=",".join(VARIANT_NAMES + (MEMORY_STEP,)),
                    help=f"comma list from {', '.join(VARIANT_NAMES + (MEMORY_STEP,))}")
     p.add_argument("--warm-cache", action="store_true", help="keep Inductor caches between variants")
