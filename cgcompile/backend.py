@@ -23,7 +23,6 @@ from .aot_capture import MakeInputs, call_with, capture_all
 from .capture import CaptureSession
 from .errors import CGCompileError
 from .graph_piece import CudaGraphPiece, piece_layout
-from .pool import as_pool
 from .runtime import GraphRuntime, PieceRunner
 
 log = logging.getLogger(__name__)
@@ -52,12 +51,7 @@ class Backend:
         self.pieces: list[Piece] = []
         self.runtimes: list[GraphRuntime] = []
         self._compiler = PieceCompiler(self.config.compiler)
-        self.session = session or CaptureSession(
-            self.config.capture_sizes,
-            pool=as_pool(pool),
-            error_mode=self.config.capture_error_mode,
-            check_addresses=self.config.check_addresses,
-        )
+        self.session = session or CaptureSession.for_config(self.config, pool=pool)
 
     @property
     def stats(self) -> BackendStats:
@@ -161,17 +155,17 @@ class Backend:
 
     def graph_memory(self) -> int:
         """Bytes the shared pool holds now."""
-        return self.session.pool.bytes_reserved() if self.session.graphs_captured else 0
+        return self.session.graph_memory()
 
     def profile_capture_memory(self, model, make_inputs: MakeInputs, sizes=None) -> "CaptureMemoryProfile":
         """Capture the sizes into a temporary pool, measure it, release everything."""
-        if any(r.graphs for rt in self.runtimes for r in rt.runners if isinstance(r, CudaGraphPiece)):
+        if any(r.graphs for r in self._graph_runners()):
             raise CGCompileError(
                 "profile_capture_memory: expected no captured graphs, got some; call it before the "
                 "first capture or after clear()"
             )
         sizes = tuple(sizes or self.config.capture_sizes)
-        probe = CaptureSession(sizes, error_mode=self.config.capture_error_mode)
+        probe = CaptureSession.for_config(self.config, sizes=sizes)
         previous, self.session = self.session, probe
         for runner in self._graph_runners():
             runner.session = probe

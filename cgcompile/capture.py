@@ -25,7 +25,7 @@ import torch
 from .compat import reset_generators_after_failed_capture
 from .errors import CaptureError
 from .padding import PaddingTable
-from .pool import GraphPool
+from .pool import GraphPool, as_pool
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,16 @@ class CaptureSession:
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
+    @classmethod
+    def for_config(cls, config, *, pool=None, sizes: tuple[int, ...] | None = None) -> "CaptureSession":
+        """The session a Config asks for (its sizes unless `sizes`), on `pool` if given."""
+        return cls(
+            sizes or config.capture_sizes,
+            pool=as_pool(pool),
+            error_mode=config.capture_error_mode,
+            check_addresses=config.check_addresses,
+        )
+
     @property
     def pool(self) -> GraphPool:
         if self._pool is None:
@@ -101,6 +111,10 @@ class CaptureSession:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         return self._stream
+
+    def graph_memory(self) -> int:
+        """Bytes the pool holds now (0 before anything was captured)."""
+        return self.pool.bytes_reserved() if self.graphs_captured else 0
 
     def register(self, runner) -> None:
         self._runners.append(weakref.ref(runner))

@@ -21,7 +21,6 @@ from .breakable import BreakableRunner
 from .capture import CaptureSession
 from .config import Config
 from .errors import CGCompileError
-from .pool import as_pool
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +37,7 @@ class GraphManager:
                  boundary: Any = "auto", pool: Any = None):
         self.model = model
         self.config = config or Config()
-        self.session = CaptureSession(
-            self.config.capture_sizes,
-            pool=as_pool(pool),
-            error_mode=self.config.capture_error_mode,
-            check_addresses=self.config.check_addresses,
-        )
+        self.session = CaptureSession.for_config(self.config, pool=pool)
         self.use_breakable = self.config.resolved_use_breakable()
         self.graphs_enabled = self._graphs_enabled()
         self._boundary = boundary
@@ -128,7 +122,7 @@ class GraphManager:
         return capture_all(self.session, self._path(), make_inputs, sizes, progress)
 
     def graph_memory(self) -> int:
-        return self.session.pool.bytes_reserved() if self.session.graphs_captured else 0
+        return self.session.graph_memory()
 
     def clear(self) -> None:
         """Release every graph of both paths and the pool; later calls capture again."""
