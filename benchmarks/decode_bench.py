@@ -333,9 +333,8 @@ def _ok(results: dict[str, VariantResult], *names) -> bool:
     return all(n in results and results[n].error is None for n in names)
 
 
-# The step time a target reads: "ms_per_step" (median of every timed step; the verdict) or
-# "ms_best_window" (the lowest window median: the host at its quietest; informative).
-METRICS = ("ms_per_step", "ms_best_window")
+# The step time a target reads, its `metric`: "ms_per_step" (median of every timed step; the
+# verdict) or "ms_best_window" (the lowest window median: the host at its quietest).
 
 
 def _worst_ratio(results: dict[str, VariantResult], name: str, base: str, batches, metric: str) -> float:

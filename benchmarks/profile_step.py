@@ -76,10 +76,6 @@ def run(args) -> None:
         with torch.inference_mode():
             prepared = variants[name].prepare(bench)
             bench_lib.measure_ready(prepared, args.batches, args.device)
-            if args.shutdown_compile_workers:
-                from torch._inductor.async_compile import shutdown_compile_workers
-
-                shutdown_compile_workers()
             for batch in args.batches:
                 for k in range(bench_lib.WARMUP_STEPS):
                     prepared.step(batch, bench_lib.timing_start(k), k)
@@ -112,8 +108,6 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also a torch.profiler table of GPU kernels")
     p.add_argument("--windows", type=int, default=0, help="then host time in this many windows of 50 steps")
-    p.add_argument("--shutdown-compile-workers", action="store_true",
-                   help="stop Inductor's compile worker processes once the variant is ready")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.batches = tuple(int(b) for b in args.batches.split(","))
