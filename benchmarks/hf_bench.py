@@ -6,7 +6,11 @@ batch 1 and 8. Variants:
 
     eager           model.generate() as is (DynamicCache)
     cgcompile       model.forward = torch.compile(model.forward, backend=cgcompile.Backend(
-                    Config(compiler="inductor"))); DynamicCache, nothing else changed
+                    Config(compiler="inductor"))); DynamicCache, nothing else changed. With
+                    torch.compiler.config.dynamic_sources = r".*past_key_values.*" while it runs
+                    (the README's optional line: the cache length is a symbol from the first
+                    decode step, so generate() makes two Dynamo graphs instead of three);
+                    --variants cgcompile-3graphs leaves it out
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -104,12 +108,18 @@ def setup_cgcompile(model, args) -> tuple[dict, cgcompile.Backend]:
     return {}, backend
 
 
+# Dynamo settings a variant runs under (torch.compiler.config.patch), and nothing else does.
+KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's optional line for transformers users
+VARIANT_COMPILER_CONFIG = {"cgcompile": {"dynamic_sources": KV_CACHE_SOURCES}}
+
+
 def setup_static(model, args) -> tuple[dict, None]:
     # generate() sees a compilable cache on CUDA and compiles its decode step itself.
     return {"cache_implementation": "static"}, None
 
 
-VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "static": setup_static}
+VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
+            "static": setup_static}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -192,7 +202,8 @@ def run_one(variant: str, batch: int, args, eager_tokens: dict) -> Row:
     if variant in CUDA_ONLY and args.device != "cuda":
         return Row(variant, batch, error="skipped: needs CUDA (generate() compiles a static cache on accelerators only)")
     try:
-        with fresh_compile_cache(args.warm_cache):
+        settings = VARIANT_COMPILER_CONFIG.get(variant, {})
+        with fresh_compile_cache(args.warm_cache), torch.compiler.config.patch(**settings):
             return measure(variant, batch, args, eager_tokens)
     except Exception as e:  # one broken variant must not end the run
         traceback.print_exc()

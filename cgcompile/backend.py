@@ -23,7 +23,7 @@ from .aot_capture import MakeInputs, call_with, capture_all
 from .capture import CaptureSession
 from .errors import CGCompileError
 from .graph_piece import CudaGraphPiece, piece_layout
-from .runtime import GraphRuntime, PieceRunner
+from .runtime import GraphRuntime, OutputCopy, PieceRunner
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class Backend:
         analysis = self._analyse(gm, example_inputs)
         split = self._split(gm, analysis)
         runners = self._build_runners(graph_index, split, analysis)
-        runtime = GraphRuntime(split.stitch, runners, self._outputs_to_clone(gm, split, runners))
+        runtime = GraphRuntime(
+            split.stitch, runners, self._outputs_to_clone(gm, split, runners), self.config.cudnn_attention
+        )
         self.runtimes.append(runtime)
         self._dump(graph_index, gm, split, analysis)
         return runtime.__call__  # a bound method: debuggers such as depyf read its __code__
@@ -132,7 +134,7 @@ class Backend:
             return PieceRunner(piece.name, fn)
         return CudaGraphPiece(piece.name, fn, layout, self.session)
 
-    def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[int, ...]:
+    def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[OutputCopy, ...]:
         if self.config.reuse_output_buffers:
             return ()
         from_graphs = {
@@ -141,7 +143,9 @@ class Backend:
         }
         output = next(n for n in gm.graph.nodes if n.op == "output")
         values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        return tuple(i for i, v in enumerate(values) if v in from_graphs)
+        return tuple(
+            OutputCopy(i, _statically_contiguous(example_value(v))) for i, v in enumerate(values) if v in from_graphs
+        )
 
     # -- CUDA graph management -------------------------------------------------------------
 
@@ -206,6 +210,21 @@ def _record_piece(graph_index: int, spec) -> Piece:
     reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
     shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
     return Piece(f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes)
+
+
+def _statically_contiguous(value) -> bool:
+    """True when eager's result is contiguous with sizes and strides that are plain ints."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    sizes, strides = value.shape, value.stride()
+    if not all(type(x) is int for x in (*sizes, *strides)):
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _graph_device(gm: torch.fx.GraphModule) -> torch.device:

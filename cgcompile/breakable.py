@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .attention_backend import call_without_cudnn_attention
 from .capture import CaptureSession, Mode, abandon, gc_paused
 from .config import Config
 from .errors import CaptureError
@@ -170,6 +171,11 @@ class BreakableRunner:
         self.graphs.clear()
 
     def __call__(self, *args, **kwargs):
+        if self.config.cudnn_attention:
+            return self._call(*args, **kwargs)
+        return call_without_cudnn_attention(self._call, *args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         n = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         size = self.session.padding.padded(n) if n is not None else None

@@ -34,6 +34,10 @@ class Config:
         Faster, but a later call overwrites outputs the caller still holds.
     check_addresses: on every replay, check that inputs captured by address still live
         there, and raise naming the piece and input if not (debugging aid).
+    cudnn_attention: let scaled_dot_product_attention in the eager pieces use its cuDNN
+        backend. Off by default: cuDNN builds a plan for every new key length (tens of
+        ms each, then a host-side lookup per call), and split attention sees a new
+        length at every decode step. See `cgcompile.attention_backend`.
     capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
         "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
@@ -51,6 +55,7 @@ class Config:
     check_addresses: bool = False
     use_breakable: bool = False
     capture_error_mode: str = "global"
+    cudnn_attention: bool = False
 
     def __post_init__(self):
         _check_capture_sizes(self.capture_sizes)

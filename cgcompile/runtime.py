@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
+
+from .attention_backend import call_without_cudnn_attention
 
 
 class PieceRunner(torch.nn.Module):
@@ -42,17 +45,40 @@ class _StitchNamespace:
         return getattr(self._stitch, name)
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputCopy:
+    """How to copy one graph output out of a CUDA graph's static buffer.
+
+    contiguous: eager returns this output contiguous (its size and strides are static in
+    the graph), so the copy is made contiguous whatever layout the compiled piece chose.
+    Inductor may lay a result out differently from eager (a KV-cache `cat` after a
+    transpose, for one); returning that layout would make the next call's stride guard
+    fail and Dynamo compile the function again. Otherwise the copy keeps the layout.
+    """
+
+    index: int
+    contiguous: bool
+
+
 class GraphRuntime:
     """What the backend hands back to Dynamo for one graph: the stitch with its runners.
 
     The runners are registered on the stitch (so it prints and dumps with them); each
     step runs the stitch's code against a `_StitchNamespace` instead (see there).
 
-    clone_outputs: positions of graph outputs that are CUDA graph static buffers; they
-    are copied before returning so a later call cannot overwrite what the caller holds.
+    clone_outputs: graph outputs that are CUDA graph static buffers; they are copied
+    before returning so a later call cannot overwrite what the caller holds.
+    cudnn_attention: False runs every call with SDPA's cuDNN backend off (see
+    `cgcompile.attention_backend`).
     """
 
-    def __init__(self, stitch: torch.fx.GraphModule, runners: list[PieceRunner], clone_outputs: tuple[int, ...]):
+    def __init__(
+        self,
+        stitch: torch.fx.GraphModule,
+        runners: list[PieceRunner],
+        clone_outputs: tuple[OutputCopy, ...],
+        cudnn_attention: bool = False,
+    ):
         calls = {}
         for runner in runners:
             name = runner.piece_name.rsplit(".", 1)[-1]
@@ -63,12 +89,17 @@ class GraphRuntime:
         self.clone_outputs = clone_outputs
         self._namespace = _StitchNamespace(stitch, calls)
         self._code = type(stitch).forward  # the generated function; `self` is its first argument
+        self.cudnn_attention = cudnn_attention
 
     def __call__(self, *args):
-        outputs = self._code(self._namespace, *args)
+        if self.cudnn_attention:
+            outputs = self._code(self._namespace, *args)
+        else:
+            outputs = call_without_cudnn_attention(self._code, self._namespace, *args)
         if not self.clone_outputs:
             return outputs
         outputs = list(outputs)
-        for i in self.clone_outputs:
-            outputs[i] = outputs[i].clone()
+        for copy in self.clone_outputs:
+            value = outputs[copy.index]
+            outputs[copy.index] = value.clone(memory_format=torch.contiguous_format) if copy.contiguous else value.clone()
         return tuple(outputs)

@@ -10,7 +10,16 @@ every later token.
 import pytest
 import torch
 
-from test_hf_generate import ARCHS, PROMPT_LEN, compile_and_match_eager, compile_forward, generate, prompt, tiny_model
+from test_hf_generate import (
+    ARCHS,
+    KV_CACHE_SOURCES,
+    PROMPT_LEN,
+    compile_and_match_eager,
+    compile_forward,
+    generate,
+    prompt,
+    tiny_model,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -97,3 +106,23 @@ def test_bf16_logits_close_to_eager(compiler, batch):
     want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda()).float()
     scale = want.abs().amax()
     torch.testing.assert_close(got, want, rtol=0, atol=0.05 * scale.item())
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_inductor_pieces_with_dynamic_cache_sources_make_two_graphs(batch):
+    # The README's recipe. Inductor lays the prefill's cache concatenation out
+    # [B, T, H, D]-major, eager contiguous. The runtime copies graph outputs out in eager's
+    # layout; returned in Inductor's, the first decode step would guard on that layout and
+    # the second (eager cat, contiguous) would make Dynamo compile a third graph.
+    with torch.compiler.config.patch(dynamic_sources=KV_CACHE_SOURCES):
+        model = cuda_model("llama")
+        backend = compile_forward(model, compiler="inductor")
+        out = generate(model, batch, 16, output_logits=True, return_dict_in_generate=True)
+        after_16 = backend.stats
+        generate(model, batch, 32)
+    assert (after_16.graphs_seen, after_16.capturable_pieces) == (2, 6 if batch == 1 else 9)
+    assert backend.stats == after_16
+    got = torch.stack(out.logits, dim=1)
+    del model.forward  # eager again
+    want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().amax().item())
