@@ -23,8 +23,7 @@ from .aot_capture import MakeInputs, call_with, capture_all
 from .capture import CaptureSession
 from .errors import CGCompileError
 from .graph_piece import CudaGraphPiece, piece_layout
-from .runtime import ContiguousInputs, GraphRuntime, OutputCopy, PieceRunner
-from .split_ops import SplitOps, is_sdpa
+from .runtime import GraphRuntime, OutputCopy, PieceRunner
 
 log = logging.getLogger(__name__)
 
@@ -108,18 +107,14 @@ class Backend:
     def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis) -> list[PieceRunner]:
         runners = []
         for spec in split.pieces:
-            compile_it = spec.capturable or (
-                self.config.compiler == "inductor"
-                and self.config.compile_eager_pieces
-                and _compilable_eager_piece(spec, self.config.split_ops)
-            )
-            piece = _record_piece(graph_index, spec, compiled=compile_it and not spec.capturable)
+            piece = _record_piece(graph_index, spec)
             self.pieces.append(piece)
             self.stats.pieces += 1
-            self.stats.capturable_pieces += spec.capturable
-            self.stats.compiled_eager_pieces += piece.compiled
-            fn = self._compiler.compile(spec) if compile_it else spec.graph
-            self.stats.compilations = self._compiler.compilations
+            fn = spec.graph
+            if spec.capturable:
+                self.stats.capturable_pieces += 1
+                fn = self._compiler.compile(spec)
+                self.stats.compilations = self._compiler.compilations
             runners.append(self._make_runner(piece, spec, fn, analysis))
         if not any(s.capturable for s in split.pieces):
             log.warning(
@@ -130,14 +125,13 @@ class Backend:
         return runners
 
     def _make_runner(self, piece: Piece, spec, fn, analysis: GraphAnalysis) -> PieceRunner:
-        compiled = fn is not spec.graph
         if not (spec.capturable and analysis.cudagraphs):
-            return PieceRunner(piece.name, _with_meta_layouts(fn, spec) if compiled else fn)
+            return PieceRunner(piece.name, fn)
         symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
         layout = piece_layout(spec, symbol, analysis.static_inputs)
         if isinstance(layout, str):
             log.warning("cgcompile: %s runs compiled but without CUDA graphs: %s", piece.name, layout)
-            return PieceRunner(piece.name, _with_meta_layouts(fn, spec) if compiled else fn)
+            return PieceRunner(piece.name, fn)
         return CudaGraphPiece(piece.name, fn, layout, self.session)
 
     def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[OutputCopy, ...]:
@@ -212,47 +206,10 @@ class CaptureMemoryProfile:
     graphs: int  # CUDA graphs that capture made
 
 
-def _record_piece(graph_index: int, spec, compiled: bool) -> Piece:
+def _record_piece(graph_index: int, spec) -> Piece:
     reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
     shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
-    return Piece(f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes, compiled)
-
-
-# An eager piece is worth compiling when it does work around its symbolic sizes; one
-# that holds nothing but a split op would gain nothing from a compiled wrapper.
-_SIZE_RULES = frozenset({"dynamic_shape", "dynamic_scalar"})
-
-
-def _compilable_eager_piece(spec, split_ops: SplitOps) -> bool:
-    """Eager only because of symbolic sizes and SDPA: no host sync, device copy, input
-    mutation, or user/unsafe split op, all of which must keep running as written."""
-    rules = {r.rule for r in spec.reasons}
-    if not rules & _SIZE_RULES or not rules <= _SIZE_RULES | {"split_op"}:
-        return False
-    calls = [n.target for n in spec.graph.graph.nodes if n.op == "call_function"]
-    return all(is_sdpa(t) for t in calls if split_ops.reason(t) is not None)
-
-
-def _with_meta_layouts(fn: Callable, spec) -> Callable:
-    """A compiled piece called directly (no CUDA graph copies its inputs into buffers of
-    the traced layout) asserts its inputs' strides. Inputs traced contiguous are made
-    contiguous first: an upstream Inductor piece may return a differently laid out alias
-    (a cache `cat` with an empty tensor comes back as its non-empty input's view)."""
-    positions = tuple(i for i, n in enumerate(spec.inputs) if _contiguous_in_meta(example_value(n)))
-    return ContiguousInputs(fn, positions) if positions else fn
-
-
-def _contiguous_in_meta(value) -> bool:
-    if not isinstance(value, torch.Tensor):
-        return False
-    from torch._prims_common import make_contiguous_strides_for
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    expected = make_contiguous_strides_for(value.shape)
-    return all(
-        size == 1 or statically_known_true(stride == want)
-        for size, stride, want in zip(value.shape, value.stride(), expected)
-    )
+    return Piece(f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes)
 
 
 def _statically_contiguous(value) -> bool:

@@ -25,10 +25,6 @@ class Config:
     capture_sizes: sizes of the capture dimension that get a CUDA graph; a call of size n
         runs padded to the smallest capture size >= n.
     compiler: "eager" runs capturable pieces as FX code; "inductor" compiles each once.
-    compile_eager_pieces: with compiler="inductor", also compile the eager pieces whose
-        only reasons are symbolic sizes and SDPA (a decode step's KV-cache concatenation,
-        repeat_kv, mask and attention): they still run outside CUDA graphs, but as a few
-        fused kernels behind one call instead of one Python-dispatched op per node.
     cudagraphs: None = on when the graph's tensors are on CUDA.
     dump_dir: write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR).
     capture_input / capture_input_dim: override which graph input's dimension is the
@@ -51,7 +47,6 @@ class Config:
     splitting_ops: tuple[Any, ...] = ()
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     compiler: str = "inductor"
-    compile_eager_pieces: bool = True
     cudagraphs: bool | None = None
     dump_dir: str | None = None
     capture_input: str | None = None

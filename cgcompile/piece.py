@@ -12,8 +12,7 @@ class Piece:
     """A piece of a split graph, as users and tests inspect it.
 
     capturable: replayed from CUDA graphs (on CUDA) or run compiled; else run eagerly.
-    reason: why the piece runs outside CUDA graphs, in words (None for capturable pieces).
-    compiled: an eager piece that runs as Inductor code (`Config.compile_eager_pieces`).
+    reason: why the piece runs eagerly, in words (None for capturable pieces).
     input_shapes: each input's shape with its symbols, e.g. "f32[s0, 64]".
     """
 
@@ -23,7 +22,6 @@ class Piece:
     reason: str | None
     graph: torch.fx.GraphModule
     input_shapes: tuple[str, ...]
-    compiled: bool = False
 
     @property
     def node_count(self) -> int:
@@ -39,4 +37,3 @@ class BackendStats:
     capturable_pieces: int = 0
     compilations: int = 0
     graphs_captured: int = 0
-    compiled_eager_pieces: int = 0

@@ -28,21 +28,6 @@ class PieceRunner(torch.nn.Module):
         return self.fn.forward if isinstance(self.fn, torch.fx.GraphModule) else self.fn
 
 
-class ContiguousInputs:
-    """Calls `fn` with the arguments at `positions` made contiguous (a no-op when they are)."""
-
-    def __init__(self, fn: Callable, positions: tuple[int, ...]):
-        self.fn = fn
-        self.positions = positions
-
-    def __call__(self, *args):
-        args = list(args)
-        for i in self.positions:
-            if not args[i].is_contiguous():
-                args[i] = args[i].contiguous()
-        return self.fn(*args)
-
-
 class _StitchNamespace:
     """The `self` the stitch's generated forward runs with on the hot path.
 

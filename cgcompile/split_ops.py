@@ -36,14 +36,6 @@ _SDPA_ATEN_OPS = frozenset(
 _SPLIT_NAMESPACES = frozenset({"flash_attn"})
 
 
-def is_sdpa(target: Any) -> bool:
-    """True for torch's scaled_dot_product_attention in any form the graphs hold."""
-    if target in _SDPA_FUNCTIONS:
-        return True
-    names = op_names(target)
-    return names is not None and names[0] in _SDPA_ATEN_OPS
-
-
 def op_names(target: Any) -> tuple[str, str] | None:
     """("ns::op", "ns::op.overload") for a torch op object, None for anything else."""
     if isinstance(target, torch._ops.OpOverload):
