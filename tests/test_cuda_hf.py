@@ -120,7 +120,8 @@ def test_inductor_pieces_with_dynamic_cache_sources_make_two_graphs(batch):
         out = generate(model, batch, 16, output_logits=True, return_dict_in_generate=True)
         after_16 = backend.stats
         generate(model, batch, 32)
-    assert (after_16.graphs_seen, after_16.capturable_pieces) == (2, 6 if batch == 1 else 9)
+    assert after_16.graphs_seen == 2
+    assert after_16.graphs_captured == after_16.capturable_pieces > 0
     assert backend.stats == after_16
     got = torch.stack(out.logits, dim=1)
     del model.forward  # eager again
