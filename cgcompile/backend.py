@@ -18,7 +18,15 @@ from .config import Config
 from .errors import ConfigError
 from .piece import BackendStats, Piece
 from .piece_compiler import PieceCompiler, describe_input
-from .passes import CaptureDim, SplitGraph, classify_nodes, example_value, find_capture_dim, split_graph
+from .passes import (
+    CaptureDim,
+    SplitGraph,
+    classify_nodes,
+    example_value,
+    find_capture_dim,
+    hoist_mask_conversion,
+    split_graph,
+)
 from .aot_capture import MakeInputs, call_with, capture_all
 from .capture import CaptureSession
 from .errors import CGCompileError
@@ -92,6 +100,7 @@ class Backend:
         return GraphAnalysis(capture_dim, static, device, cudagraphs)
 
     def _split(self, gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> SplitGraph:
+        hoist_mask_conversion(gm)  # before classifying: the new node is classified like any other
         mutable = frozenset(
             n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
         )

@@ -4,6 +4,7 @@ No CUDA and no runtime state here: every function takes a graph and returns data
 Shipped as `cgcompile.passes`.
 """
 
+from .attention_mask import hoist_mask_conversion
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
 from .split import PieceSpec, SplitGraph, split_graph
@@ -17,6 +18,7 @@ __all__ = [
     "classify_nodes",
     "example_value",
     "find_capture_dim",
+    "hoist_mask_conversion",
     "input_name",
     "is_floating",
     "split_graph",
