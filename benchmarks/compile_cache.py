@@ -16,4 +16,5 @@ def fresh_compile_cache(warm: bool = False):
     from torch._inductor import utils
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # renamed in torch 2.9
-    return fresh()
+    # Kept on disk after the scope: the compiled code stays in use (hf_bench times it later).
+    return fresh(delete=False)

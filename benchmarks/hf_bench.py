@@ -37,16 +37,21 @@ generate()'s compile on or off (disable_compile=True), so it measures nothing.
     python benchmarks/hf_bench.py --tiny --device cpu               # smoke test, CUDA-only variants skipped
 
 Method:
-  - Every (variant, batch) starts cold: a freshly built model (same seed, same weights),
-    torch._dynamo.reset(), and empty Inductor caches (so warm-up times are cold compiles and
-    no variant reuses kernels another compiled; --warm-cache keeps the default cache).
-  - first call: the first generate(256 new tokens), with tracing, compilation, capture.
-    It is also the largest call, so the static cache it sizes (prompt + 256) is reused
-    by the shorter calls after it and nothing recompiles.
-  - prefill: min over --repeats of generate(max_new_tokens=1) (prefill and one token; eager
-    in `static`, where generate() compiles only the decode step).
-  - decode tokens/s: B * 255 / (t(256 new tokens) - t(1 new token)), min time over repeats.
-  - warm-up: first call - t(256 new tokens), the extra time the first call took.
+  - Warm-up, one variant after another: every variant starts cold, a freshly built model
+    (same seed, same weights) and empty Inductor caches (so warm-up times are cold compiles
+    and no variant reuses kernels another compiled; --warm-cache keeps the default cache).
+    Its first call is the first generate(256 new tokens), with tracing, compilation, capture.
+    That is also the largest call, so the static cache it sizes (prompt + 256) is reused by
+    the shorter calls after it and nothing recompiles.
+  - Timing, interleaved: the host of the GPU machine drifts by up to 2x for seconds, so all
+    variants of a batch stay loaded and are timed round-robin, --rounds times: in each
+    round every variant runs generate(max_new_tokens=1) (prefill and one token; eager
+    prefill in `static`, where generate() compiles only the decode step) and
+    generate(256 new tokens).
+  - decode tokens/s: B * 255 / (t(256 new tokens) - t(1 new token)) per round; the median
+    over rounds is the result (and the targets' ratios), the best round is shown too.
+  - warm-up: first call - the median t(256 new tokens).
+  - graphs: Dynamo graphs the variant's first call compiled; none may be added while timing.
   - tokens = eager: how many of the greedy tokens equal eager's (bf16, so near ties may
     part ways; informative only).
 Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
@@ -62,6 +67,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import time
 import traceback
 
@@ -86,13 +92,28 @@ class Row:
     variant: str
     batch: int
     prefill_ms: float | None = None
-    decode_tok_s: float | None = None
+    decode_tok_s: float | None = None  # median over the timing rounds
+    decode_tok_s_best: float | None = None
+    decode_tok_s_rounds: list[float] | None = None
     first_call_s: float | None = None
     warmup_s: float | None = None
     tokens_equal_eager: str | None = None
     dynamo_graphs: int | None = None
     cgcompile_stats: dict | None = None
     error: str | None = None
+
+
+@dataclasses.dataclass
+class Loaded:
+    """A warmed-up variant, kept for the interleaved timing rounds."""
+
+    row: Row
+    model: LlamaForCausalLM
+    kwargs: dict
+    backend: "cgcompile.Backend | None"
+    full_s: list[float] = dataclasses.field(default_factory=list)
+    one_s: list[float] = dataclasses.field(default_factory=list)
+    output: torch.Tensor | None = None
 
 
 # -- the variants: each prepares a fresh model; returns generate() kwargs and the backend --
@@ -150,29 +171,70 @@ def timed(model, ids, mask, new_tokens: int, kwargs: dict) -> tuple[float, torch
     return time.perf_counter() - start, out
 
 
-def measure(variant: str, batch: int, args, eager_tokens: dict) -> Row:
+def dynamo_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
+
+
+def warm_up(variant: str, batch: int, args) -> Loaded:
+    """Build the variant cold and make its first call (compiling, capturing)."""
     row = Row(variant, batch)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    graphs_before = dynamo_graphs()
     model = build_model(args)
     kwargs, backend = VARIANTS[variant](model, args)
     ids, mask = make_prompt(args, batch, model.config.vocab_size)
-    n = args.new_tokens
-    row.first_call_s, _ = timed(model, ids, mask, n, kwargs)
-    row.prefill_ms = 1e3 * min(timed(model, ids, mask, 1, kwargs)[0] for _ in range(args.repeats))
-    full_s, out = min((timed(model, ids, mask, n, kwargs) for _ in range(args.repeats)), key=lambda r: r[0])
-    row.decode_tok_s = batch * (n - 1) / (full_s - row.prefill_ms / 1e3)
-    row.warmup_s = row.first_call_s - full_s
-    row.dynamo_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    if variant == "eager":
-        eager_tokens[batch] = out
-    elif batch in eager_tokens:
-        row.tokens_equal_eager = f"{int((out == eager_tokens[batch]).sum())}/{out.numel()}"
-    if args.profile:
-        write_profile(model, ids, mask, kwargs, f"{variant}_B{batch}")
-    if backend is not None:
-        row.cgcompile_stats = dataclasses.asdict(backend.stats) | decode_graph_pieces(backend)
+    row.first_call_s, _ = timed(model, ids, mask, args.new_tokens, kwargs)
+    row.dynamo_graphs = dynamo_graphs() - graphs_before
+    return Loaded(row, model, kwargs, backend)
+
+
+def time_round(loaded: Loaded, args) -> None:
+    """One timing round: generate(1 new token), then generate(all new tokens)."""
+    ids, mask = make_prompt(args, loaded.row.batch, loaded.model.config.vocab_size)
+    loaded.one_s.append(timed(loaded.model, ids, mask, 1, loaded.kwargs)[0])
+    seconds, loaded.output = timed(loaded.model, ids, mask, args.new_tokens, loaded.kwargs)
+    loaded.full_s.append(seconds)
+
+
+def finish(loaded: Loaded, args, eager_output: torch.Tensor | None, graphs_after_warmup: int) -> Row:
+    row, batch = loaded.row, loaded.row.batch
+    rates = [batch * (args.new_tokens - 1) / (full - one) for full, one in zip(loaded.full_s, loaded.one_s)]
+    row.decode_tok_s_rounds = [round(r, 1) for r in rates]
+    row.decode_tok_s, row.decode_tok_s_best = statistics.median(rates), max(rates)
+    row.prefill_ms = 1e3 * statistics.median(loaded.one_s)
+    row.warmup_s = row.first_call_s - statistics.median(loaded.full_s)
+    if eager_output is not None and row.variant != "eager":
+        row.tokens_equal_eager = f"{int((loaded.output == eager_output).sum())}/{loaded.output.numel()}"
+    if loaded.backend is not None:
+        row.cgcompile_stats = dataclasses.asdict(loaded.backend.stats) | decode_graph_pieces(loaded.backend)
+    if dynamo_graphs() != graphs_after_warmup:
+        row.error = f"Dynamo compiled {dynamo_graphs() - graphs_after_warmup} graph(s) during the timing rounds"
     return row
+
+
+def measure_batch(batch: int, variants: list[str], args) -> list[Row]:
+    """Warm every variant up cold, then time them round-robin; one Row per variant."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    loaded, failed = [], []
+    for variant in variants:
+        row = run_guarded(variant, batch, args, lambda: warm_up(variant, batch, args))
+        (loaded if isinstance(row, Loaded) else failed).append(row)
+    graphs_after_warmup = dynamo_graphs()
+    for _ in range(args.rounds):
+        for item in loaded:
+            time_round(item, args)
+    eager_output = next((item.output for item in loaded if item.row.variant == "eager"), None)
+    rows = [finish(item, args, eager_output, graphs_after_warmup) for item in loaded]
+    if args.profile:
+        for item in loaded:
+            ids, mask = make_prompt(args, batch, item.model.config.vocab_size)
+            write_profile(item.model, ids, mask, item.kwargs, f"{item.row.variant}_B{batch}")
+    del loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    order = {v: i for i, v in enumerate(variants)}
+    return sorted(rows + failed, key=lambda r: order[r.variant])
 
 
 def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 64) -> None:
@@ -198,20 +260,18 @@ def decode_graph_pieces(backend) -> dict:
     return {"decode_graph_pieces": len(pieces), "decode_graph_capturable": sum(p.capturable for p in pieces)}
 
 
-def run_one(variant: str, batch: int, args, eager_tokens: dict) -> Row:
+def run_guarded(variant: str, batch: int, args, warm):
+    """warm() under the variant's compile settings, or a Row with the error: one broken
+    variant must not end the run."""
     if variant in CUDA_ONLY and args.device != "cuda":
         return Row(variant, batch, error="skipped: needs CUDA (generate() compiles a static cache on accelerators only)")
     try:
         settings = VARIANT_COMPILER_CONFIG.get(variant, {})
         with fresh_compile_cache(args.warm_cache), torch.compiler.config.patch(**settings):
-            return measure(variant, batch, args, eager_tokens)
-    except Exception as e:  # one broken variant must not end the run
+            return warm()
+    except Exception as e:
         traceback.print_exc()
         return Row(variant, batch, error=f"{type(e).__name__}: {e}"[:500])
-    finally:
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 # -- report -------------------------------------------------------------------------------
@@ -238,15 +298,16 @@ def fmt(value, spec: str) -> str:
 
 
 def print_table(rows: list[Row], checks: list[dict]) -> None:
-    print(f"\n{'variant':<12} {'batch':>5} {'prefill ms':>10} {'decode tok/s':>12} {'x eager':>8} "
+    print(f"\n{'variant':<17} {'batch':>5} {'prefill ms':>10} {'decode tok/s':>12} {'(best)':>8} {'x eager':>8} "
           f"{'warm-up s':>9} {'first call s':>12} {'graphs':>6}  tokens = eager")
     for r in rows:
         eager = rate(rows, "eager", r.batch)
         ratio = r.decode_tok_s / eager if r.decode_tok_s and eager else None
         if r.error:
-            print(f"{r.variant:<12} {r.batch:>5}  {r.error}")
+            print(f"{r.variant:<17} {r.batch:>5}  {r.error}")
             continue
-        print(f"{r.variant:<12} {r.batch:>5} {fmt(r.prefill_ms, '10.1f')} {fmt(r.decode_tok_s, '12.1f')} "
+        print(f"{r.variant:<17} {r.batch:>5} {fmt(r.prefill_ms, '10.1f')} {fmt(r.decode_tok_s, '12.1f')} "
+              f"{fmt(r.decode_tok_s_best, '8.1f')} "
               f"{fmt(ratio, '7.2f')}x {fmt(r.warmup_s, '9.1f')} {fmt(r.first_call_s, '12.1f')} "
               f"{fmt(r.dynamo_graphs, '6d')}  {r.tokens_equal_eager or '-'}")
     for r in rows:
@@ -261,7 +322,7 @@ def environment(args) -> dict:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
             "model": TINY if args.tiny else FULL, "dtype": args.dtype, "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "compiler": args.compiler}
+            "new_tokens": args.new_tokens, "compiler": args.compiler, "rounds": args.rounds}
 
 
 def parse_args() -> argparse.Namespace:
@@ -272,7 +333,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --tiny)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 256 (16 with --tiny)")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 5, 2 with --tiny)")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default=None,
                         help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
     parser.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
@@ -282,6 +343,7 @@ def parse_args() -> argparse.Namespace:
     on_cuda = args.device == "cuda"
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
+    args.rounds = args.rounds or (2 if args.tiny else 5)
     args.compiler = args.compiler or ("inductor" if on_cuda else "eager")
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -300,13 +362,12 @@ def main() -> None:
     if args.device == "cuda":  # CUDA context and cuBLAS handles: not part of any variant's first call
         torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
         torch.cuda.synchronize()
-    eager_tokens: dict[int, torch.Tensor] = {}
     rows = []
     for batch in batches:
-        for variant in variants:
-            rows.append(run_one(variant, batch, args, eager_tokens))
-            print(rows[-1], flush=True)
-            write_json(args, rows, targets(rows, batches))  # after every row: a killed run keeps its rows
+        for row in measure_batch(batch, variants, args):
+            rows.append(row)
+            print(row, flush=True)
+        write_json(args, rows, targets(rows, batches))  # after every batch: a killed run keeps its rows
     checks = targets(rows, batches)
     print_table(rows, checks)
     if write_json(args, rows, checks):
