@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .compat import reset_generators_after_failed_capture
+from .compat import release_cublas_workspaces, reset_generators_after_failed_capture
 from .errors import CaptureError
 from .padding import PaddingTable
 from .pool import GraphPool, as_pool
@@ -128,13 +128,23 @@ class CaptureSession:
             self.mode = previous
 
     def warm_up(self, fn: Callable, *args, **kwargs) -> Any:
-        """Run once on the capture stream, so lazy initialisation (cuBLAS workspaces for
-        that stream, autotuning, allocator warm-up) happens before and outside capture."""
+        """Run once on the capture stream, so lazy initialisation (cuBLAS handles for that
+        stream, autotuning, allocator warm-up) happens before and outside capture."""
         with self.on_capture_stream():
             return fn(*args, **kwargs)
 
     def begin_graph(self) -> torch.cuda.CUDAGraph:
-        """Start capturing a new graph into the pool, on the capture stream (already entered)."""
+        """Start capturing a new graph into the pool, on the capture stream (already entered).
+
+        cuBLAS keeps one workspace per (handle, stream) and a graph replays matmuls that
+        write into the workspace they were captured with. A workspace left over from the
+        warm-up lives outside the pool, and whoever clears cuBLAS workspaces later (torch's
+        own CUDA graph trees do, before and after each of their captures) hands it back to
+        the allocator while our graphs still write into it: replays then corrupt other
+        tensors or fault. So the workspaces are dropped around every capture, and the one
+        a captured matmul allocates comes from the pool and lives as long as it.
+        """
+        release_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
@@ -142,7 +152,9 @@ class CaptureSession:
     def end_graph(self, graph: torch.cuda.CUDAGraph, name: str) -> None:
         try:
             graph.capture_end()
+            release_cublas_workspaces()  # eager matmuls after this must not reuse the pool's
         except RuntimeError as e:
+            release_cublas_workspaces()
             reset_generators_after_failed_capture()
             raise CaptureError(
                 f"capturing {name} failed at the end of capture: {e}. If {name} forks work onto a "
@@ -215,3 +227,4 @@ def abandon(graph: torch.cuda.CUDAGraph) -> None:
         graph.capture_end()
     except RuntimeError:
         reset_generators_after_failed_capture()
+    release_cublas_workspaces()

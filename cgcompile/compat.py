@@ -39,6 +39,11 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list):
     return compile_fx(gm, example_inputs)
 
 
+def release_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces; the next matmul allocates a new one."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def reset_generators_after_failed_capture() -> None:
     """A capture that fails in cudaStreamEndCapture skips the CUDA generators' capture
     epilogue, leaving them in capture mode (every later random op then fails). Swap in a
