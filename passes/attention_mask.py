@@ -15,6 +15,8 @@ SDPA computes with are the ones it would have built itself.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -26,11 +28,21 @@ _ROW_ALIGNMENT = 16  # elements; the memory-efficient kernel's bias alignment
 
 def additive_attention_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's own conversion of a boolean mask (0 where True, -inf where False), with
-    the last dimension's rows starting at multiples of 16 elements."""
+    the last dimension's rows starting at multiples of 16 elements. Dimensions the mask
+    broadcasts (stride 0, e.g. after `expand` over heads) stay broadcast, not materialised."""
+    broadcast = [d for d in range(mask.dim() - 1) if _is_zero(mask.stride(d))]
+    base = mask
+    for d in broadcast:
+        base = base.narrow(d, 0, 1)
     length = mask.shape[-1]
     padded = (length + _ROW_ALIGNMENT - 1) // _ROW_ALIGNMENT * _ROW_ALIGNMENT
-    out = torch.zeros((*mask.shape[:-1], padded), dtype=dtype, device=mask.device).narrow(-1, 0, length)
-    return out.masked_fill_(mask.logical_not(), float("-inf"))
+    out = torch.zeros((*base.shape[:-1], padded), dtype=dtype, device=mask.device).narrow(-1, 0, length)
+    out.masked_fill_(base.logical_not(), float("-inf"))
+    return out.expand(mask.shape) if broadcast else out
+
+
+def _is_zero(stride) -> bool:
+    return type(stride) is int and stride == 0
 
 
 def _mask_argument(node: Node) -> tuple[str | int, Node] | None:
@@ -61,7 +73,7 @@ def hoist_mask_conversion(gm: GraphModule) -> int:
         with gm.graph.inserting_after(mask):
             converted = gm.graph.call_function(additive_attention_mask, (mask, dtype))
         fake_mask = example_value(mask)
-        with fake_mask.fake_mode:
+        with getattr(fake_mask, "fake_mode", None) or contextlib.nullcontext():
             converted.meta["example_value"] = additive_attention_mask(fake_mask, dtype)
         for call, where in calls:
             if isinstance(where, str):
