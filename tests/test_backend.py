@@ -63,3 +63,17 @@ def test_identical_pieces_compile_once_with_inductor():
     # both middle boundaries, and the last piece (o_proj + MLP + lm_head).
     assert (stats.graphs_seen, stats.pieces, stats.capturable_pieces, stats.compilations) == (1, 7, 4, 3)
     assert stats.graphs_captured == 0
+
+
+def test_graph_outputs_are_copied_contiguous_only_where_eager_is_contiguous():
+    # The copy out of a CUDA graph buffer takes eager's layout when that is contiguous
+    # (Inductor may have chosen another); otherwise it keeps the buffer's layout.
+    from cgcompile.backend import _statically_contiguous
+
+    x = torch.empty(2, 3, 5, 4)
+    assert _statically_contiguous(x)
+    assert not _statically_contiguous(x.transpose(1, 2))
+    assert not _statically_contiguous(x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3))
+    assert _statically_contiguous(torch.empty(1, 3, 1, 4).as_strided((1, 3, 1, 4), (7, 4, 99, 1)))  # size-1 strides are free
+    assert not _statically_contiguous(x[:, :, :4])  # a non-dense view
+    assert not _statically_contiguous(3)
