@@ -14,12 +14,10 @@ import torch
 
 from .compat import cudagraph_unsafe_tag
 from .errors import ConfigError
+from .passes.attention_mask import SDPA_FUNCTIONS
 
-# Every form of scaled-dot-product attention that Dynamo or AOT autograd emits.
-_SDPA_FUNCTIONS = (
-    torch.nn.functional.scaled_dot_product_attention,
-    torch._C._nn.scaled_dot_product_attention,
-)
+# Every form of scaled-dot-product attention that Dynamo or AOT autograd emits: the
+# Python functions (SDPA_FUNCTIONS) and these aten ops.
 _SDPA_ATEN_OPS = frozenset(
     f"aten::{name}"
     for name in (
@@ -95,7 +93,7 @@ class SplitOps:
     extra: frozenset[str] = frozenset()
 
     def reason(self, target: Any) -> str | None:
-        if target in _SDPA_FUNCTIONS:
+        if target in SDPA_FUNCTIONS:
             return "scaled_dot_product_attention is split by default (attention)"
         names = op_names(target)
         if names is None:

@@ -22,7 +22,8 @@ from torch.fx import GraphModule, Node
 
 from .graph_values import example_value
 
-_SDPA_FUNCTIONS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+# The Python-level forms of SDPA that Dynamo graphs hold (the split rule uses them too).
+SDPA_FUNCTIONS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _ROW_ALIGNMENT = 16  # elements; the memory-efficient kernel's bias alignment
 
 
@@ -60,7 +61,7 @@ def hoist_mask_conversion(gm: GraphModule) -> int:
     how many converted masks were inserted. The graph is changed in place."""
     uses: dict[tuple[Node, torch.dtype], list[tuple[Node, str | int]]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _SDPA_FUNCTIONS:
+        if node.op != "call_function" or node.target not in SDPA_FUNCTIONS:
             continue
         found = _mask_argument(node)
         out, mask_value = example_value(node), example_value(found[1]) if found else None

@@ -30,7 +30,6 @@ def test_converted_mask_gives_what_sdpa_computes_with_the_boolean_one(length):
 
 def test_broadcast_dimensions_stay_broadcast():
     q, k, v, mask = attention_inputs(37)
-    q = torch.randn(2, 4, 3, 8)
     expanded = mask[:, :1].expand(2, 4, 3, 37)  # over heads, as transformers' masks are
     converted = additive_attention_mask(expanded, q.dtype)
     assert converted.shape == expanded.shape and converted.stride(1) == 0
