@@ -24,6 +24,7 @@ from .passes import (
     classify_nodes,
     example_value,
     find_capture_dim,
+    fold_grouped_query_attention,
     hoist_mask_conversion,
     split_graph,
 )
@@ -100,7 +101,10 @@ class Backend:
         return GraphAnalysis(capture_dim, static, device, cudagraphs)
 
     def _split(self, gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> SplitGraph:
-        hoist_mask_conversion(gm)  # before classifying: the new node is classified like any other
+        # Rewrites before classifying: their new nodes are classified like any other.
+        hoist_mask_conversion(gm)
+        if self.config.fold_grouped_query:
+            fold_grouped_query_attention(gm)
         mutable = frozenset(
             n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
         )

@@ -38,6 +38,11 @@ class Config:
         backend. Off by default: cuDNN builds a plan for every new key length (tens of
         ms each, then a host-side lookup per call), and split attention sees a new
         length at every decode step. See `cgcompile.attention_backend`.
+    fold_grouped_query: where a one-token query meets KV heads repeated for grouped-query
+        attention (`repeat_kv`), let SDPA read the un-repeated cache instead (see
+        `cgcompile.passes.grouped_query`): two copies of the cache per layer and step
+        fewer. Results agree with eager to rounding, not bit for bit; False keeps the
+        model's own attention calls.
     capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
         "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
@@ -56,6 +61,7 @@ class Config:
     use_breakable: bool = False
     capture_error_mode: str = "global"
     cudnn_attention: bool = False
+    fold_grouped_query: bool = True
 
     def __post_init__(self):
         _check_capture_sizes(self.capture_sizes)

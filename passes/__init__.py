@@ -7,6 +7,7 @@ Shipped as `cgcompile.passes`.
 from .attention_mask import hoist_mask_conversion
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
+from .grouped_query import fold_grouped_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
 from .split_rule import SplitReason, classify_nodes, is_floating
 
@@ -18,6 +19,7 @@ __all__ = [
     "classify_nodes",
     "example_value",
     "find_capture_dim",
+    "fold_grouped_query_attention",
     "hoist_mask_conversion",
     "input_name",
     "is_floating",

@@ -216,6 +216,15 @@ def test_decode_graph_pieces_batch_3_with_padding():
     layers = [p for p in decode if "scaled_dot_product_attention" in targets(p)]
     assert len(layers) == 3 and not any(p.capturable for p in layers)
     assert all(p.capturable for p in decode if "linear" in targets(p))
+    # With a mask, transformers repeats the KV heads (repeat_kv: expand, reshape); the
+    # grouped-query fold lets SDPA read the cache itself, so no repeat runs eagerly.
+    assert not any({"expand", "reshape"} & targets(p) for p in layers)
+
+
+def test_grouped_query_fold_off_keeps_repeat_kv_and_tokens_equal_eager():
+    backend = compile_and_match_eager(tiny_model("llama"), 3, fold_grouped_query=False)
+    layers = [p for p in graph_pieces(backend, DECODE_GRAPH) if "scaled_dot_product_attention" in targets(p)]
+    assert layers and all({"expand", "reshape"} <= targets(p) for p in layers)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,143 @@
+"""The grouped-query fold: one-token SDPA over repeated KV heads reads the un-repeated cache."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgcompile
+from cgcompile.passes import fold_grouped_query_attention
+
+from test_attention_mask import traced
+
+KV_HEADS, GROUPS, HEAD_DIM, LENGTH = 2, 4, 16, 37
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """transformers' repeat_kv: each KV head copied to the `groups` query heads that read it."""
+    b, h, length, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, groups, length, d).reshape(b, h * groups, length, d)
+
+
+def attention(q, k, v, mask=None, **kwargs):
+    out = F.scaled_dot_product_attention(q, repeat_kv(k, GROUPS), repeat_kv(v, GROUPS), attn_mask=mask, **kwargs)
+    return out.transpose(1, 2) * 2
+
+
+def inputs(query_len: int = 1, batch: int = 2):
+    torch.manual_seed(0)
+    q = torch.randn(batch, KV_HEADS * GROUPS, query_len, HEAD_DIM)
+    k, v = (torch.randn(batch, KV_HEADS, LENGTH, HEAD_DIM) for _ in range(2))
+    return q, k, v
+
+
+def node_names(gm) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def call_traced(gm, q, k, v, m=None):
+    """Run a graph from `traced`: Dynamo orders its inputs by first use, not as passed."""
+    by_name = {"L_q_": q, "L_k_": k, "L_v_": v, "L_m_": m}
+    return gm(*(by_name[n.target] for n in gm.graph.nodes if n.op == "placeholder"))[0]
+
+
+def boolean_mask(*shape):
+    mask = torch.rand(*shape) > 0.3
+    mask[..., 0] = True  # no fully masked row
+    return mask
+
+
+MASKS = {
+    "none": lambda: None,
+    "boolean, broadcast over heads": lambda: boolean_mask(2, 1, 1, LENGTH),
+    "float, one per head": lambda: torch.randn(2, KV_HEADS * GROUPS, 1, LENGTH),
+    "boolean, 2-d": lambda: boolean_mask(1, LENGTH),
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_fold_removes_the_repeats_and_keeps_the_results(mask):
+    q, k, v = inputs()
+    m = MASKS[mask]()
+    args = (q, k, v) if m is None else (q, k, v, m)
+    gm = traced(lambda q, k, v, m=None: attention(q, k, v, m), *args)
+    assert node_names(gm).count("reshape") == 2
+    assert fold_grouped_query_attention(gm) == 1
+    names = node_names(gm)
+    assert "expand" not in names and "reshape" not in names
+    sdpa = next(n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention)
+    assert [a.meta["example_value"].shape[1] for a in sdpa.args[1:3]] == [KV_HEADS, KV_HEADS]  # the cache itself
+    assert tuple(sdpa.meta["example_value"].shape) == (2, KV_HEADS, GROUPS, HEAD_DIM)
+    expected = attention(*args)
+    torch.testing.assert_close(call_traced(gm, *args), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fold_with_a_symbolic_cache_length_and_scale():
+    q, k, v = inputs()
+    mask = boolean_mask(2, 1, 1, LENGTH)
+    for t in (k, v, mask):
+        torch._dynamo.mark_dynamic(t, t.dim() - 2 if t is not mask else 3)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        assert fold_grouped_query_attention(gm) == 1
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, m: attention(q, k, v, m, scale=0.3), backend=backend)
+    torch.testing.assert_close(compiled(q, k, v, mask), attention(q, k, v, mask, scale=0.3), rtol=1e-5, atol=1e-6)
+    longer = [torch.cat([t, t[..., :5, :] if t is not mask else t[..., :5]], dim=-2 if t is not mask else -1) for t in (k, v, mask)]
+    torch.testing.assert_close(compiled(q, *longer), attention(q, *longer, scale=0.3), rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 1  # the longer cache ran the same folded graph
+
+
+def shared_repeat(q, k, v):
+    keys = repeat_kv(k, GROUPS)
+    return F.scaled_dot_product_attention(q, keys, repeat_kv(v, GROUPS)) + keys.sum()
+
+
+@pytest.mark.parametrize(
+    "case, fn, query_len",
+    [
+        ("a query of two tokens", attention, 2),
+        ("causal", lambda q, k, v: attention(q, k, v, is_causal=True), 1),
+        ("the repeat has another user", lambda q, k, v: shared_repeat(q, k, v), 1),
+        ("keys and values repeated differently", lambda q, k, v: F.scaled_dot_product_attention(
+            q, repeat_kv(torch.cat([k, k], dim=1), GROUPS // 2), repeat_kv(v, GROUPS)), 1),
+    ],
+)
+def test_calls_that_cannot_be_folded_are_left_alone(case, fn, query_len):
+    q, k, v = inputs(query_len)
+    gm = traced(fn, q, k, v)
+    code = gm.code
+    assert fold_grouped_query_attention(gm) == 0, case
+    assert gm.code == code
+
+
+def test_the_backend_folds_by_default_and_the_config_turns_it_off():
+    q, k, v = inputs()
+    mask = boolean_mask(2, 1, 1, LENGTH)
+    expected = attention(q, k, v, mask)
+    for fold in (True, False):
+        torch._dynamo.reset()
+        backend = cgcompile.Backend(cgcompile.Config(compiler="eager", fold_grouped_query=fold))
+        out = torch.compile(attention, backend=backend)(q, k, v, mask)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        names = {name for piece in backend.pieces for name in node_names(piece.graph)}
+        assert ("reshape" in names) is not fold
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_attention_on_cuda_matches_eager(dtype):
+    # On CUDA with a mask, SDPA takes the memory-efficient kernel with G query rows per
+    # KV head (and the boolean mask converted by cgcompile); eager repeats the cache.
+    q, k, v = (t.to("cuda", dtype) for t in inputs(batch=2))
+    mask = boolean_mask(2, 1, 1, LENGTH).cuda()
+    torch._dynamo.reset()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    out = torch.compile(attention, backend=backend)(q, k, v, mask)
+    assert not any({"expand", "reshape"} & set(node_names(p.graph)) for p in backend.pieces)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, attention(q, k, v, mask), **tolerance)
