@@ -14,10 +14,10 @@ import torch
 
 from .compat import cudagraph_unsafe_tag
 from .errors import ConfigError
-from .passes.attention_mask import SDPA_FUNCTIONS
+from .passes.sdpa import ATTENTION_FUNCTIONS
 
 # Every form of scaled-dot-product attention that Dynamo or AOT autograd emits: the
-# Python functions (SDPA_FUNCTIONS) and these aten ops.
+# Python functions (ATTENTION_FUNCTIONS) and these aten ops.
 _SDPA_ATEN_OPS = frozenset(
     f"aten::{name}"
     for name in (
@@ -93,8 +93,8 @@ class SplitOps:
     extra: frozenset[str] = frozenset()
 
     def reason(self, target: Any) -> str | None:
-        if target in SDPA_FUNCTIONS:
-            return "scaled_dot_product_attention is split by default (attention)"
+        if target in ATTENTION_FUNCTIONS:
+            return f"{target.__name__} is split by default (attention)"
         names = op_names(target)
         if names is None:
             return None

@@ -21,9 +21,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_values import example_value
+from .sdpa import ATTENTION_FUNCTIONS
 
-# The Python-level forms of SDPA that Dynamo graphs hold (the split rule uses them too).
-SDPA_FUNCTIONS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _ROW_ALIGNMENT = 16  # elements; the memory-efficient kernel's bias alignment
 
 
@@ -61,7 +60,7 @@ def hoist_mask_conversion(gm: GraphModule) -> int:
     how many converted masks were inserted. The graph is changed in place."""
     uses: dict[tuple[Node, torch.dtype], list[tuple[Node, str | int]]] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in SDPA_FUNCTIONS:
+        if node.op != "call_function" or node.target not in ATTENTION_FUNCTIONS:
             continue
         found = _mask_argument(node)
         out, mask_value = example_value(node), example_value(found[1]) if found else None

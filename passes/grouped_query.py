@@ -8,17 +8,10 @@ SDPA falls back to its math path). With a KV cache, L is the cache length: both 
 run eagerly every decode step, in every layer (~15 us of host time each on an H100).
 
 When the query has one token, the G query heads of a KV head are G independent rows that
-read the same keys, so they can be SDPA's query rows instead:
-
-    q [B, Hkv*G, 1, D] -> [B, Hkv, G, D]     (a view)
-    SDPA(q, x_k, x_v) over the un-repeated cache, out [B, Hkv, G, D]
-    out -> [B, Hkv*G, 1, D]
-
-A mask broadcast over heads ([..., 1, 1, L]) broadcasts over the G rows unchanged; one
-per head ([..., Hkv*G, 1, L]) is viewed as [..., Hkv, G, L]. The folded query's shape is
-static, so its view and the unfolding after SDPA land in the neighbouring CUDA graphs;
-the eager region keeps SDPA alone. Each output row is the same attention as before; the
-kernel may group its work differently, so results agree to rounding, not bit for bit.
+read the same keys, so `fold_grouped_query_attention` replaces the repeats and the SDPA
+call with one `grouped_query_attention` call over the un-repeated cache (see there).
+Each output row is the same attention as before; the kernel groups its work differently,
+so results agree to rounding, not bit for bit.
 
 Left alone: queries of more than one token (the mask would have to be repeated G
 times), causal calls, dropout, calls with `enable_gqa`, and repeats with other users.
@@ -29,10 +22,11 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import GraphModule, Node
 
-from .attention_mask import SDPA_FUNCTIONS
 from .graph_values import example_value
+from .sdpa import SDPA_FUNCTIONS, SDPA_PARAMETERS, grouped_query_attention
 
 _FULL = slice(None, None, None)
 
@@ -51,7 +45,7 @@ def fold_grouped_query_attention(gm: GraphModule) -> int:
 
 
 def _fold(gm: GraphModule, call: Node) -> bool:
-    args = _sdpa_arguments(call)
+    args = _foldable_arguments(call)
     if args is None:
         return False
     query, key, value, mask = args["query"], args["key"], args["value"], args.get("attn_mask")
@@ -63,50 +57,29 @@ def _fold(gm: GraphModule, call: Node) -> bool:
     kv_heads = example_value(key_source).shape[1]
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or not _is_int(q.shape[2], 1):
         return False
-    if not _is_int(q.shape[1], kv_heads * groups):
-        return False
-    mask_fold = _mask_fold(mask, q.shape[1]) if mask is not None else "none"
-    if mask_fold is None:
+    if not _is_int(q.shape[1], kv_heads * groups) or (mask is not None and not _mask_folds(mask, q.shape[1])):
         return False
 
-    graph = gm.graph
-    with graph.inserting_before(call):
-        new_query = _view(graph, query, "unflatten", 1, (kv_heads, groups))
-        new_query = _view(graph, new_query, "squeeze", 3)
-        new_mask = mask
-        if mask_fold == "per head":
-            new_mask = _view(graph, mask, "unflatten", -3, (kv_heads, groups))
-            new_mask = _view(graph, new_mask, "squeeze", -2)
-        kwargs = {k: v for k, v in args.items() if k not in ("query", "key", "value", "attn_mask")}
-        if new_mask is not None:
-            kwargs["attn_mask"] = new_mask
-        attention = graph.call_function(call.target, (new_query, key_source, value_source), kwargs)
-        attention.meta.update(call.meta)
-        attention.meta["example_value"] = _fake_run(call.target, (new_query, key_source, value_source), kwargs)
-        attention.meta.pop("val", None)
-    with graph.inserting_after(attention):
-        unfolded = _view(graph, attention, "unsqueeze", 3)
-    with graph.inserting_after(unfolded):
-        unfolded = _view(graph, unfolded, "flatten", 1, 2)
-    call.replace_all_uses_with(unfolded)
-    graph.erase_node(call)
+    kwargs = {"attn_mask": mask, "scale": args.get("scale")}
+    with gm.graph.inserting_before(call):
+        grouped = gm.graph.call_function(grouped_query_attention, (query, key_source, value_source), kwargs)
+    grouped.meta.update({k: v for k, v in call.meta.items() if k != "val"})
+    grouped.meta["example_value"] = _fake_run(grouped_query_attention, (query, key_source, value_source), kwargs)
+    call.replace_all_uses_with(grouped)
+    gm.graph.erase_node(call)
     for repeat in dict.fromkeys((key, value)):  # reshape, expand, then the inserted dim: each now unused
         while repeat is not None and not repeat.users:
             source = repeat.args[0]
-            graph.erase_node(repeat)
+            gm.graph.erase_node(repeat)
             repeat = source if source not in (key_source, value_source) else None
     return True
 
 
-# SDPA's Python signature, in order; Dynamo passes some positionally, some by keyword.
-_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-
-
-def _sdpa_arguments(call: Node) -> dict | None:
-    """The call's arguments by name, or None when it is not a foldable call."""
-    if len(call.args) > len(_SDPA_PARAMETERS) or not set(call.kwargs) <= set(_SDPA_PARAMETERS):
+def _foldable_arguments(call: Node) -> dict | None:
+    """The SDPA call's arguments by name, or None when it is not a foldable call."""
+    if len(call.args) > len(SDPA_PARAMETERS) or not set(call.kwargs) <= set(SDPA_PARAMETERS):
         return None
-    args = dict(zip(_SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
+    args = dict(zip(SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
     if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
         return None
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or args.get("enable_gqa", False):
@@ -157,33 +130,26 @@ def _unsqueezed_at_2(node: Node) -> Node | None:
     return None
 
 
-def _mask_fold(mask: Node, query_heads: int) -> str | None:
-    """How the mask follows the folded query: it broadcasts over heads, it has one row per
-    head (viewed as [..., Hkv, G, L]), or None: it cannot be folded."""
+def _mask_folds(mask: Node, query_heads: int) -> bool:
+    """Whether grouped_query_attention can take the mask: one row (the query's token),
+    broadcast over heads or one per query head."""
     m = example_value(mask)
-    if not isinstance(m, torch.Tensor) or m.dim() > 4 or m.dim() < 1:
-        return None
+    if not isinstance(m, torch.Tensor) or not 1 <= m.dim() <= 4:
+        return False
     if m.dim() >= 2 and not _is_int(m.shape[-2], 1):
-        return None
-    if m.dim() < 3 or _is_int(m.shape[-3], 1):
-        return "broadcast"
-    return "per head" if _is_int(m.shape[-3], query_heads) else None
-
-
-def _view(graph, node: Node, method: str, *args) -> Node:
-    new = graph.call_method(method, (node, *args))
-    new.meta["example_value"] = _fake_run(getattr(torch.Tensor, method), (node, *args), {})
-    return new
+        return False
+    return m.dim() < 3 or _is_int(m.shape[-3], 1) or _is_int(m.shape[-3], query_heads)
 
 
 def _fake_run(fn, args, kwargs):
-    """fn on the example values of its node arguments, in their fake mode."""
+    """fn on the example values of its node arguments, in their fake mode (with the Python
+    dispatcher, as Dynamo runs ops: composite kernels then accept symbolic sizes)."""
     values = [example_value(a) if isinstance(a, Node) else a for a in args]
     kw = {k: example_value(v) if isinstance(v, Node) else v for k, v in kwargs.items()}
     fake_mode = next((getattr(v, "fake_mode", None) for v in values if isinstance(v, torch.Tensor)), None)
     if fake_mode is None:
         return fn(*values, **kw)
-    with fake_mode:
+    with fake_mode, enable_python_dispatcher():
         return fn(*values, **kw)
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import cgcompile
 from cgcompile.passes import fold_grouped_query_attention
+from cgcompile.passes.sdpa import grouped_query_attention
 
 from test_attention_mask import traced
 
@@ -64,9 +65,11 @@ def test_fold_removes_the_repeats_and_keeps_the_results(mask):
     assert fold_grouped_query_attention(gm) == 1
     names = node_names(gm)
     assert "expand" not in names and "reshape" not in names
-    sdpa = next(n for n in gm.graph.nodes if n.target is torch._C._nn.scaled_dot_product_attention)
-    assert [a.meta["example_value"].shape[1] for a in sdpa.args[1:3]] == [KV_HEADS, KV_HEADS]  # the cache itself
-    assert tuple(sdpa.meta["example_value"].shape) == (2, KV_HEADS, GROUPS, HEAD_DIM)
+    assert "scaled_dot_product_attention" not in names
+    grouped = next(n for n in gm.graph.nodes if n.target is grouped_query_attention)
+    assert [a.meta["example_value"].shape[1] for a in grouped.args[1:3]] == [KV_HEADS, KV_HEADS]  # the cache itself
+    assert grouped.meta["example_value"].shape == (2, KV_HEADS * GROUPS, 1, HEAD_DIM)
+    assert grouped.meta["example_value"].is_contiguous()
     expected = attention(*args)
     torch.testing.assert_close(call_traced(gm, *args), expected, rtol=1e-5, atol=1e-6)
 

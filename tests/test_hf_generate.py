@@ -213,12 +213,13 @@ def test_decode_graph_pieces_batch_3_with_padding():
     generate(model, 3, 4)
     decode = graph_pieces(backend, DECODE_GRAPH)
     assert (len(decode), sum(p.capturable for p in decode)) == (13, 7)
-    layers = [p for p in decode if "scaled_dot_product_attention" in targets(p)]
+    layers = [p for p in decode if "grouped_query_attention" in targets(p)]
     assert len(layers) == 3 and not any(p.capturable for p in layers)
     assert all(p.capturable for p in decode if "linear" in targets(p))
-    # With a mask, transformers repeats the KV heads (repeat_kv: expand, reshape); the
-    # grouped-query fold lets SDPA read the cache itself, so no repeat runs eagerly.
+    # With a mask, transformers repeats the KV heads (repeat_kv: expand, reshape) for
+    # SDPA; the grouped-query fold reads the cache itself, so no repeat runs eagerly.
     assert not any({"expand", "reshape"} & targets(p) for p in layers)
+    assert not any("scaled_dot_product_attention" in targets(p) for p in decode)
 
 
 def test_grouped_query_fold_off_keeps_repeat_kv_and_tokens_equal_eager():

@@ -1,0 +1,33 @@
+"""The attention calls cgcompile's passes and split rule recognise, in the forms graphs hold them."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# SDPA's Python-level forms in Dynamo graphs.
+SDPA_FUNCTIONS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+
+# SDPA's parameters, in order; Dynamo passes some positionally, some by keyword.
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def grouped_query_attention(query, key, value, attn_mask=None, scale=None):
+    """SDPA of a one-token query [B, Hkv*G, 1, D] over un-repeated KV heads [B, Hkv, L, D]:
+    what SDPA over the keys and values repeated G times per head returns, contiguous.
+
+    The G query heads of a KV head become G query rows. A mask is either broadcast over
+    heads or has one row per query head, viewed as [..., Hkv, G, L].
+    """
+    heads, kv_heads = query.shape[1], key.shape[1]
+    grouped = query.unflatten(1, (kv_heads, heads // kv_heads)).squeeze(3)  # [B, Hkv, G, D]
+    if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] == heads != 1:
+        attn_mask = attn_mask.unflatten(-3, (kv_heads, heads // kv_heads)).squeeze(-2)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, scale=scale)
+    # Back to one row per query head. Kernels that lay rows out head-minor make this a
+    # copy; either way the result is contiguous, whichever kernel SDPA picks.
+    return out.unsqueeze(3).flatten(1, 2)
+
+
+# Calls whose attn_mask is SDPA's (same position, same meaning) and that run as attention.
+ATTENTION_FUNCTIONS = (*SDPA_FUNCTIONS, grouped_query_attention)
