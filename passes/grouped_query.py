@@ -9,9 +9,14 @@ run eagerly every decode step, in every layer (~15 us of host time each on an H1
 
 When the query has one token, the G query heads of a KV head are G independent rows that
 read the same keys, so `fold_grouped_query_attention` replaces the repeats and the SDPA
-call with one `grouped_query_attention` call over the un-repeated cache (see there).
-Each output row is the same attention as before; the kernel groups its work differently,
-so results agree to rounding, not bit for bit.
+call with one `grouped_query_attention` call over the un-repeated cache (see there),
+followed by views that restore one row per query head. Each output row is the same
+attention as before; the kernel groups its work differently, so results agree to
+rounding, not bit for bit.
+
+The new call's example value is computed here, with the SDPA backend settings in force:
+the layout it records (which depends on the kernel SDPA picks) is what compiled pieces
+reading it will expect, so run the pass under the settings the graph will run with.
 
 Left alone: queries of more than one token (the mask would have to be repeated G
 times), causal calls, dropout, calls with `enable_gqa`, and repeats with other users.
@@ -61,11 +66,16 @@ def _fold(gm: GraphModule, call: Node) -> bool:
         return False
 
     kwargs = {"attn_mask": mask, "scale": args.get("scale")}
-    with gm.graph.inserting_before(call):
-        grouped = gm.graph.call_function(grouped_query_attention, (query, key_source, value_source), kwargs)
-    grouped.meta.update({k: v for k, v in call.meta.items() if k != "val"})
-    grouped.meta["example_value"] = _fake_run(grouped_query_attention, (query, key_source, value_source), kwargs)
-    call.replace_all_uses_with(grouped)
+    graph = gm.graph
+    with graph.inserting_before(call):
+        grouped = graph.call_function(grouped_query_attention, (query, key_source, value_source), kwargs)
+        grouped.meta.update({k: v for k, v in call.meta.items() if k != "val"})
+        grouped.meta["example_value"] = _fake_run(grouped_query_attention, (query, key_source, value_source), kwargs)
+        # Back to one row per query head: a copy where the kernel lays rows out head-minor,
+        # so it belongs to the next (captured) piece, not to the eager one.
+        unfolded = _method(graph, "unsqueeze", grouped, 3)
+        unfolded = _method(graph, "flatten", unfolded, 1, 2)
+    call.replace_all_uses_with(unfolded)
     gm.graph.erase_node(call)
     for repeat in dict.fromkeys((key, value)):  # reshape, expand, then the inserted dim: each now unused
         while repeat is not None and not repeat.users:
@@ -139,6 +149,12 @@ def _mask_folds(mask: Node, query_heads: int) -> bool:
     if m.dim() >= 2 and not _is_int(m.shape[-2], 1):
         return False
     return m.dim() < 3 or _is_int(m.shape[-3], 1) or _is_int(m.shape[-3], query_heads)
+
+
+def _method(graph, name: str, *args) -> Node:
+    node = graph.call_method(name, args)
+    node.meta["example_value"] = _fake_run(getattr(torch.Tensor, name), args, {})
+    return node
 
 
 def _fake_run(fn, args, kwargs):

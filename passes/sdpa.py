@@ -13,20 +13,19 @@ SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 
 
 def grouped_query_attention(query, key, value, attn_mask=None, scale=None):
-    """SDPA of a one-token query [B, Hkv*G, 1, D] over un-repeated KV heads [B, Hkv, L, D]:
-    what SDPA over the keys and values repeated G times per head returns, contiguous.
+    """SDPA of a one-token query [B, Hkv*G, 1, D] over un-repeated KV heads [B, Hkv, L, D],
+    with the G query heads of each KV head as G query rows; returns [B, Hkv, G, D].
 
-    The G query heads of a KV head become G query rows. A mask is either broadcast over
-    heads or has one row per query head, viewed as [..., Hkv, G, L].
+    `.unsqueeze(3).flatten(1, 2)` of the result is what SDPA over the keys and values
+    repeated G times per head returns. A mask is either broadcast over heads or has one
+    row per query head, viewed as [..., Hkv, G, L].
     """
-    heads, kv_heads = query.shape[1], key.shape[1]
-    grouped = query.unflatten(1, (kv_heads, heads // kv_heads)).squeeze(3)  # [B, Hkv, G, D]
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
     if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] == heads != 1:
         attn_mask = attn_mask.unflatten(-3, (kv_heads, heads // kv_heads)).squeeze(-2)
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, scale=scale)
-    # Back to one row per query head. Kernels that lay rows out head-minor make this a
-    # copy; either way the result is contiguous, whichever kernel SDPA picks.
-    return out.unsqueeze(3).flatten(1, 2)
+    return F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, scale=scale)
 
 
 # Calls whose attn_mask is SDPA's (same position, same meaning) and that run as attention.

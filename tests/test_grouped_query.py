@@ -65,11 +65,11 @@ def test_fold_removes_the_repeats_and_keeps_the_results(mask):
     assert fold_grouped_query_attention(gm) == 1
     names = node_names(gm)
     assert "expand" not in names and "reshape" not in names
+    assert names.count("flatten") == 1  # back to one row per query head
     assert "scaled_dot_product_attention" not in names
     grouped = next(n for n in gm.graph.nodes if n.target is grouped_query_attention)
     assert [a.meta["example_value"].shape[1] for a in grouped.args[1:3]] == [KV_HEADS, KV_HEADS]  # the cache itself
-    assert grouped.meta["example_value"].shape == (2, KV_HEADS * GROUPS, 1, HEAD_DIM)
-    assert grouped.meta["example_value"].is_contiguous()
+    assert grouped.meta["example_value"].shape == (2, KV_HEADS, GROUPS, HEAD_DIM)  # query heads as rows
     expected = attention(*args)
     torch.testing.assert_close(call_traced(gm, *args), expected, rtol=1e-5, atol=1e-6)
 
@@ -117,13 +117,16 @@ def test_calls_that_cannot_be_folded_are_left_alone(case, fn, query_len):
     assert gm.code == code
 
 
-def test_the_backend_folds_by_default_and_the_config_turns_it_off():
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_the_backend_folds_by_default_and_the_config_turns_it_off(compiler):
+    # With Inductor, the piece after attention is compiled against the folded call's
+    # example value: its layout must be the one SDPA really returns.
     q, k, v = inputs()
     mask = boolean_mask(2, 1, 1, LENGTH)
     expected = attention(q, k, v, mask)
     for fold in (True, False):
         torch._dynamo.reset()
-        backend = cgcompile.Backend(cgcompile.Config(compiler="eager", fold_grouped_query=fold))
+        backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, fold_grouped_query=fold))
         out = torch.compile(attention, backend=backend)(q, k, v, mask)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
         names = {name for piece in backend.pieces for name in node_names(piece.graph)}
@@ -135,11 +138,12 @@ def test_the_backend_folds_by_default_and_the_config_turns_it_off():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_folded_attention_on_cuda_matches_eager(dtype):
     # On CUDA with a mask, SDPA takes the memory-efficient kernel with G query rows per
-    # KV head (and the boolean mask converted by cgcompile); eager repeats the cache.
+    # KV head (and the boolean mask converted by cgcompile); eager repeats the cache. The
+    # Inductor piece after it reads the kernel's layout (rows head-minor) as compiled for.
     q, k, v = (t.to("cuda", dtype) for t in inputs(batch=2))
     mask = boolean_mask(2, 1, 1, LENGTH).cuda()
     torch._dynamo.reset()
-    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    backend = cgcompile.Backend(cgcompile.Config(compiler="inductor"))
     out = torch.compile(attention, backend=backend)(q, k, v, mask)
     assert not any({"expand", "reshape"} & set(node_names(p.graph)) for p in backend.pieces)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
