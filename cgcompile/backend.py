@@ -28,7 +28,7 @@ from .passes import (
     hoist_mask_conversion,
     split_graph,
 )
-from .aot_capture import MakeInputs, call_with, capture_all
+from .aot_capture import MakeInputs, capture_all
 from .attention_backend import call_without_cudnn_attention
 from .capture import CaptureSession
 from .errors import CGCompileError
