@@ -10,9 +10,10 @@ run eagerly every decode step, in every layer (~15 us of host time each on an H1
 When the query has one token, the G query heads of a KV head are G independent rows that
 read the same keys, so `fold_grouped_query_attention` replaces the repeats and the SDPA
 call with one `grouped_query_attention` call over the un-repeated cache (see there),
-followed by views that restore one row per query head. Each output row is the same
-attention as before; the kernel groups its work differently, so results agree to
-rounding, not bit for bit.
+followed by `.unsqueeze(3).flatten(1, 2)` back to one row per query head: a copy where the
+kernel lays rows out head-minor, made by the next captured piece since its shape is
+static. Each output row is the same attention as before; the kernel groups its work
+differently, so results agree to rounding, not bit for bit.
 
 The new call's example value is computed here, with the SDPA backend settings in force:
 the layout it records (which depends on the kernel SDPA picks) is what compiled pieces
