@@ -29,7 +29,6 @@ from .passes import (
     split_graph,
 )
 from .aot_capture import MakeInputs, capture_all
-from .attention_backend import call_without_cudnn_attention
 from .capture import CaptureSession
 from .errors import CGCompileError
 from .graph_piece import CudaGraphPiece, piece_layout
@@ -105,12 +104,7 @@ class Backend:
         # Rewrites before classifying: their new nodes are classified like any other.
         hoist_mask_conversion(gm)
         if self.config.fold_grouped_query:
-            # Under the runtime's SDPA settings: the kernel SDPA picks fixes the layout
-            # of the folded call's result, which the next compiled piece expects.
-            if self.config.cudnn_attention:
-                fold_grouped_query_attention(gm)
-            else:
-                call_without_cudnn_attention(fold_grouped_query_attention, gm)
+            fold_grouped_query_attention(gm)
         mutable = frozenset(
             n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
         )

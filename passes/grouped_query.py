@@ -15,10 +15,6 @@ kernel lays rows out head-minor, made by the next captured piece since its shape
 static. Each output row is the same attention as before; the kernel groups its work
 differently, so results agree to rounding, not bit for bit.
 
-The new call's example value is computed here, with the SDPA backend settings in force:
-the layout it records (which depends on the kernel SDPA picks) is what compiled pieces
-reading it will expect, so run the pass under the settings the graph will run with.
-
 Left alone: queries of more than one token (the mask would have to be repeated G
 times), causal calls, dropout, calls with `enable_gqa`, and repeats with other users.
 """

@@ -19,13 +19,20 @@ def grouped_query_attention(query, key, value, attn_mask=None, scale=None):
     `.unsqueeze(3).flatten(1, 2)` of the result is what SDPA over the keys and values
     repeated G times per head returns. A mask is either broadcast over heads or has one
     row per query head, viewed as [..., Hkv, G, L].
+
+    The result is always laid out rows-outer ([B, G, Hkv, D] in memory), as the flash and
+    memory-efficient kernels return it; another kernel's result is copied into that
+    layout. Compiled pieces that read the result then see one layout whichever kernel
+    SDPA picked, at compile time (on fake tensors) or at run time.
     """
     batch, heads, _, head_dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
     if attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] == heads != 1:
         attn_mask = attn_mask.unflatten(-3, (kv_heads, heads // kv_heads)).squeeze(-2)
-    return F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attn_mask, scale=scale)
+    rows_outer = out.transpose(1, 2)
+    return out if rows_outer.is_contiguous() else rows_outer.contiguous().transpose(1, 2)
 
 
 # Calls whose attn_mask is SDPA's (same position, same meaning) and that run as attention.

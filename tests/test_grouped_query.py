@@ -1,5 +1,7 @@
 """The grouped-query fold: one-token SDPA over repeated KV heads reads the un-repeated cache."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,3 +150,40 @@ def test_folded_attention_on_cuda_matches_eager(dtype):
     assert not any({"expand", "reshape"} & set(node_names(p.graph)) for p in backend.pieces)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out, attention(q, k, v, mask), **tolerance)
+
+
+@pytest.mark.parametrize("backend", ["math", "default"])
+def test_result_layout_does_not_depend_on_the_kernel(backend):
+    # Compiled pieces after the call are compiled for one layout: rows outer, whatever
+    # kernel SDPA picks (the math kernel returns heads outer, and is copied).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = inputs()
+    mask = boolean_mask(2, 1, 1, LENGTH)
+    context = sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext()
+    with context:
+        out = grouped_query_attention(q, k, v, attn_mask=mask)
+    assert out.shape == (2, KV_HEADS, GROUPS, HEAD_DIM) and out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out.unsqueeze(3).flatten(1, 2).transpose(1, 2) * 2, attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_piece_after_the_fold_survives_a_kernel_change_on_cuda():
+    # Compiled (no CUDA graphs, so the Inductor code reads the result itself) while SDPA
+    # picks the memory-efficient kernel (rows outer); run with only the math kernel
+    # allowed (heads outer): the call copies into its one layout, and Inductor's
+    # stride check on its input passes.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in inputs(batch=2))
+    mask = boolean_mask(2, 1, 1, LENGTH).cuda()
+    torch._dynamo.reset()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="inductor", cudagraphs=False))
+    compiled = torch.compile(attention, backend=backend)
+    expected = attention(q, k, v, mask)
+    torch.testing.assert_close(compiled(q, k, v, mask), expected, rtol=2e-2, atol=2e-2)
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.testing.assert_close(compiled(q, k, v, mask), expected, rtol=2e-2, atol=2e-2)
+    assert backend.stats.graphs_seen == 1
