@@ -1,6 +1,8 @@
 """Pure FX passes of cgcompile: classify nodes, choose the capture dimension, split.
 
-No CUDA and no runtime state here: every function takes a graph and returns data.
+No CUDA and no runtime state here: every pass takes a graph and returns data. The
+rewrites insert calls to plain tensor functions defined beside them
+(`additive_attention_mask`, `grouped_query_attention`), which run with the graph.
 Shipped as `cgcompile.passes`.
 """
 

@@ -73,11 +73,11 @@ def _fold(gm: GraphModule, call: Node) -> bool:
         unfolded = _method(graph, "unsqueeze", grouped, 3)
         unfolded = _method(graph, "flatten", unfolded, 1, 2)
     call.replace_all_uses_with(unfolded)
-    gm.graph.erase_node(call)
+    graph.erase_node(call)
     for repeat in dict.fromkeys((key, value)):  # reshape, expand, then the inserted dim: each now unused
         while repeat is not None and not repeat.users:
             source = repeat.args[0]
-            gm.graph.erase_node(repeat)
+            graph.erase_node(repeat)
             repeat = source if source not in (key_source, value_source) else None
     return True
 
@@ -115,7 +115,7 @@ def _repeated_source(node: Node) -> tuple[Node, int] | None:
     if not all(isinstance(t, torch.Tensor) for t in (x, e, r)) or x.dim() != 4 or e.dim() != 5 or r.dim() != 4:
         return None
     groups = e.shape[2]
-    if not isinstance(groups, int) or not isinstance(x.shape[1], int) or groups < 1:
+    if not isinstance(groups, int) or not isinstance(x.shape[1], int):
         return None
     expected_expand = (x.shape[0], x.shape[1], groups, x.shape[2], x.shape[3])
     expected_reshape = (x.shape[0], x.shape[1] * groups, x.shape[2], x.shape[3])

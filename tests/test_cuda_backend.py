@@ -207,4 +207,3 @@ def test_unjoined_side_stream_fails_naming_the_piece():
     out = capture_error_in_own_process(_FORK_WITHOUT_JOIN, capture)
     assert "CaptureError: capturing my_piece failed" in out, out
     assert "side stream" in out
-
