@@ -47,6 +47,14 @@ class Config:
         "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
         pieces); the CGCOMPILE_USE_BREAKABLE environment variable overrides it.
+    padding: None pads calls to the capture sizes when CUDA graphs are on; True pads
+        them even without graphs (on CPU too: how the tests exercise padding); False never
+        pads (every graph is captured at the exact sizes seen). A Dynamo graph whose
+        capturable code mixes rows along the capture dimension is never padded, whatever
+        this says (see `cgcompile.passes.padding_safety`).
+    exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
+        captures one set of CUDA graphs per distinct size, for at most this many sizes;
+        calls of further new sizes run its pieces without graphs (logged once).
     """
 
     splitting_ops: tuple[Any, ...] = ()
@@ -62,6 +70,8 @@ class Config:
     capture_error_mode: str = "global"
     cudnn_attention: bool = False
     fold_grouped_query: bool = True
+    padding: bool | None = None
+    exact_size_limit: int = 32
 
     def __post_init__(self):
         _check_capture_sizes(self.capture_sizes)
@@ -72,6 +82,13 @@ class Config:
         if self.capture_error_mode not in ("global", "thread_local", "relaxed"):
             raise ConfigError(
                 f"capture_error_mode: expected 'global', 'thread_local' or 'relaxed', got {self.capture_error_mode!r}"
+            )
+        if self.padding not in (None, True, False) or isinstance(self.padding, int) and not isinstance(self.padding, bool):
+            raise ConfigError(f"padding: expected None, True or False, got {self.padding!r}")
+        if not isinstance(self.exact_size_limit, int) or isinstance(self.exact_size_limit, bool) or self.exact_size_limit < 0:
+            raise ConfigError(
+                f"exact_size_limit: expected a non-negative int, got {self.exact_size_limit!r}; "
+                f"0 runs graphs that cannot be padded without CUDA graphs"
             )
         if not isinstance(self.capture_input_dim, int) or self.capture_input_dim < 0:
             raise ConfigError(
@@ -91,6 +108,10 @@ class Config:
     @property
     def max_capture_size(self) -> int:
         return max(self.capture_sizes)
+
+    def pads(self, cudagraphs: bool) -> bool:
+        """Whether calls are padded to the capture sizes, for a graph with graphs on or off."""
+        return cudagraphs if self.padding is None else self.padding
 
     def resolved_dump_dir(self) -> str | None:
         """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only)."""
