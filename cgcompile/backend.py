@@ -14,7 +14,7 @@ import torch
 
 from . import dump
 from .compat import is_static_address
-from .config import Config
+from .config import Config, as_config
 from .errors import ConfigError
 from .piece import BackendStats, Piece
 from .piece_compiler import PieceCompiler, describe_input
@@ -28,9 +28,17 @@ from .passes import (
     hoist_mask_conversion,
     split_graph,
 )
-from .aot_capture import MakeInputs, capture_all
+from .aot_capture import (
+    MakeInputs,
+    capture_all,
+    check_capture_call,
+    check_pool,
+    require_captured,
+    require_cuda_graphs,
+    requested_sizes,
+)
 from .capture import CaptureSession
-from .errors import CGCompileError
+from .errors import CaptureError, expect
 from .graph_piece import CudaGraphPiece, piece_layout
 from .runtime import GraphRuntime, OutputCopy, PieceRunner
 
@@ -55,7 +63,10 @@ class Backend:
     """
 
     def __init__(self, config: Config | None = None, *, pool: Any = None, session: CaptureSession | None = None):
-        self.config = config or Config()
+        self.config = as_config(config, "Backend")
+        check_pool("Backend", pool)
+        expect(session is None or isinstance(session, CaptureSession), "Backend: session",
+               "None or the CaptureSession of a GraphManager", session, "leave session out")
         self._stats = BackendStats()
         self.pieces: list[Piece] = []
         self.runtimes: list[GraphRuntime] = []
@@ -167,21 +178,34 @@ class Backend:
 
         model is the compiled model (what torch.compile returned); make_inputs(size, warmup)
         returns its inputs for one call of that size (a tuple, a dict of kwargs or one value).
+        Raises CaptureError before running anything without CUDA or with cudagraphs=False,
+        and after running every size if no graph could be captured at all.
         """
-        return capture_all(self.session, model, make_inputs, sizes or self.config.capture_sizes, progress)
+        check_capture_call("Backend.capture", model, make_inputs, progress)
+        sizes = requested_sizes("Backend.capture", sizes, self.config.capture_sizes, bounded=True)
+        require_cuda_graphs("Backend.capture", self.config.cudagraphs is not False, "Config.cudagraphs=False")
+        captured = capture_all(self.session, model, make_inputs, sizes, progress)
+        require_captured("Backend.capture", self.session)
+        return captured
 
     def graph_memory(self) -> int:
         """Bytes the shared pool holds now."""
         return self.session.graph_memory()
 
     def profile_capture_memory(self, model, make_inputs: MakeInputs, sizes=None) -> "CaptureMemoryProfile":
-        """Capture the sizes into a temporary pool, measure it, release everything."""
+        """Capture the sizes into a temporary pool, measure it, release everything.
+
+        sizes may differ from Config.capture_sizes: the probe captures exactly these.
+        Raises CaptureError as `capture` does, before running anything.
+        """
+        check_capture_call("profile_capture_memory", model, make_inputs, False)
+        sizes = requested_sizes("profile_capture_memory", sizes, self.config.capture_sizes, bounded=False)
+        require_cuda_graphs("profile_capture_memory", self.config.cudagraphs is not False, "Config.cudagraphs=False")
         if any(r.graphs for r in self._graph_runners()):
-            raise CGCompileError(
+            raise CaptureError(
                 "profile_capture_memory: expected no captured graphs, got some; call it before the "
                 "first capture or after clear()"
             )
-        sizes = tuple(sizes or self.config.capture_sizes)
         probe = CaptureSession.for_config(self.config, sizes=sizes)
         previous, self.session = self.session, probe
         for runner in self._graph_runners():
@@ -189,6 +213,7 @@ class Backend:
             probe.register(runner)
         try:
             graphs = capture_all(probe, model, make_inputs, sizes, progress=False)
+            require_captured("profile_capture_memory", probe)
             reserved = probe.pool.bytes_reserved()
         finally:
             probe.clear()

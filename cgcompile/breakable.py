@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .attention_backend import call_without_cudnn_attention
 from .capture import CaptureSession, Mode, abandon, gc_paused
 from .config import Config
-from .errors import CaptureError
+from .errors import CaptureError, expect
 from .split_ops import SplitOps
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,23 @@ _ACTIVE_RECORDER: contextvars.ContextVar["_Recorder | None"] = contextvars.Conte
 )
 
 
-def eager_break(fn: Callable) -> Callable:
+def eager_break(fn: Callable | None = None) -> Callable:
     """Mark a Python function as an eager break: under breakable capture it ends the
-    current graph segment and runs eagerly, at capture and at every replay."""
+    current graph segment and runs eagerly, at capture and at every replay.
+
+    Write `@cgcompile.eager_break` (no parentheses) above a def."""
+    expect(fn is not None, "eager_break", "a function to decorate", "no argument",
+           "write @cgcompile.eager_break without parentheses", raw=True)
+    expect(callable(fn), "eager_break", "a function to decorate", fn,
+           "write @cgcompile.eager_break above a def")
+    label = getattr(fn, "__qualname__", type(fn).__name__)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         recorder = _ACTIVE_RECORDER.get()
         if recorder is None:
             return fn(*args, **kwargs)
-        return recorder.run_eagerly(fn.__qualname__, fn, args, kwargs)
+        return recorder.run_eagerly(label, fn, args, kwargs)
 
     return wrapper
 

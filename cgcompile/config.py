@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Callable
 
-from .errors import ConfigError
+from .errors import ConfigError, closest, expect, expected
 from .split_ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
@@ -73,36 +75,22 @@ class Config:
     padding: bool | None = None
     exact_size_limit: int = 32
 
+    def __new__(cls, *args, **kwargs):
+        # Runs before the dataclass's generated __init__, so a misspelt or positional
+        # argument gets a ConfigError that lists the fields, not the dataclass's TypeError.
+        _check_field_names("Config", args, kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self):
-        _check_capture_sizes(self.capture_sizes)
-        if self.compiler not in COMPILERS:
-            raise ConfigError(f"compiler: expected one of {COMPILERS}, got {self.compiler!r}")
-        if self.cudagraphs not in (None, True, False):
-            raise ConfigError(f"cudagraphs: expected None, True or False, got {self.cudagraphs!r}")
-        if self.capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise ConfigError(
-                f"capture_error_mode: expected 'global', 'thread_local' or 'relaxed', got {self.capture_error_mode!r}"
-            )
-        if self.padding not in (None, True, False) or isinstance(self.padding, int) and not isinstance(self.padding, bool):
-            raise ConfigError(f"padding: expected None, True or False, got {self.padding!r}")
-        if not isinstance(self.exact_size_limit, int) or isinstance(self.exact_size_limit, bool) or self.exact_size_limit < 0:
-            raise ConfigError(
-                f"exact_size_limit: expected a non-negative int, got {self.exact_size_limit!r}; "
-                f"0 runs graphs that cannot be padded without CUDA graphs"
-            )
-        if not isinstance(self.capture_input_dim, int) or self.capture_input_dim < 0:
-            raise ConfigError(
-                f"capture_input_dim: expected a non-negative int, got {self.capture_input_dim!r}"
-            )
+        for name in _TUPLE_FIELDS:  # lists are accepted and stored as tuples (hashable, frozen)
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        for field in dataclasses.fields(self):
+            _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         self.split_ops  # validates every splitting op name now, not at the first compile
 
     @functools.cached_property
     def split_ops(self) -> SplitOps:
-        if isinstance(self.splitting_ops, (str, bytes)) or not hasattr(self.splitting_ops, "__iter__"):
-            raise ConfigError(
-                f"splitting_ops: expected a list of ops, got {self.splitting_ops!r}; "
-                f"write splitting_ops=['ns::op'] even for one op"
-            )
         return SplitOps(frozenset(normalize_op(op) for op in self.splitting_ops))
 
     @property
@@ -118,39 +106,123 @@ class Config:
         return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
 
     def resolved_use_breakable(self) -> bool:
-        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only)."""
+        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only).
+
+        `as_config` calls it when a Backend or GraphManager is built, so a malformed value
+        is refused on every path, not only on the one that uses it.
+        """
         value = os.environ.get(USE_BREAKABLE_ENV)
         if value is None or value == "":
             return self.use_breakable
-        if value not in ("0", "1"):
-            raise ConfigError(f"{USE_BREAKABLE_ENV}: expected 0 or 1, got {value!r}")
+        expect(value in ("0", "1"), USE_BREAKABLE_ENV, "0 or 1", value,
+               f"unset it or write {USE_BREAKABLE_ENV}=1 for breakable graphs, 0 for compiled pieces", ConfigError)
         return value == "1"
 
     @classmethod
-    def from_options(cls, options: dict[str, Any] | None) -> "Config":
-        """Build from `torch.compile(..., options={...})`; unknown keys are an error."""
+    def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
+        """Build from `torch.compile(..., options={...})`: the keys are Config's fields,
+        checked exactly as `Config(**options)` checks them (lists accepted for tuples)."""
+        expect(options is None or isinstance(options, Mapping), "options", "a dict of Config fields", options,
+               "write options={'compiler': 'eager'}", ConfigError)
         options = dict(options or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown cgcompile option(s) {unknown}; valid options are {sorted(known)}"
-            )
-        if "capture_sizes" in options:
-            options["capture_sizes"] = tuple(options["capture_sizes"])
-        if "splitting_ops" in options and isinstance(options["splitting_ops"], list):
-            options["splitting_ops"] = tuple(options["splitting_ops"])
+        _check_field_names("options", (), options)
         return cls(**options)
 
 
-def _check_capture_sizes(sizes) -> None:
-    if not isinstance(sizes, tuple) or not sizes:
-        raise ConfigError(
-            f"capture_sizes: expected a non-empty tuple of positive ints, got {sizes!r}"
-        )
+_TUPLE_FIELDS = ("splitting_ops", "capture_sizes")
+
+
+def as_config(config: Any, culprit: str) -> Config:
+    """The `config` argument of an entry point (a Config, or None for the defaults), with the
+    environment checked too: a malformed CGCOMPILE_USE_BREAKABLE is refused on every path."""
+    fix = "write Config(**options) or Config.from_options(options)" if isinstance(config, Mapping) else ""
+    expect(config is None or isinstance(config, Config), f"{culprit}: config", "a cgcompile.Config or None",
+           config, fix, ConfigError)
+    config = config or Config()
+    config.resolved_use_breakable()
+    return config
+
+
+def _check_field_names(culprit: str, args: tuple, kwargs: dict) -> None:
+    """Refuse positional arguments and unknown names, listing the fields and the nearest one."""
+    fields = [f.name for f in dataclasses.fields(Config)]
+    if args:
+        raise ConfigError(expected(culprit, "keyword arguments only", f"{len(args)} positional argument(s)",
+                                   f"write Config(field=value); the fields are {fields}", raw=True))
+    for name in kwargs:
+        if name not in fields:
+            hint = closest(name, fields)
+            fix = f"{hint} The fields are {fields}." if hint else f"the fields are {fields}"
+            raise ConfigError(expected(culprit, "a Config field", f"unknown {name!r}", fix, raw=True))
+
+
+# -- one check per field: each raises ConfigError("field: expected X, got Y; do Z") -------
+
+
+def _bool(name: str, value: Any) -> None:
+    expect(isinstance(value, bool), name, "True or False", value,
+           f"write {name}=True or {name}=False (strings and 0/1 are not accepted)", ConfigError)
+
+
+def _optional_bool(name: str, value: Any) -> None:
+    expect(value is None or isinstance(value, bool), name, "None, True or False", value,
+           f"write {name}=None (automatic), True or False", ConfigError)
+
+
+def _count(fix: str = "") -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        expect(ok, name, "a non-negative int", value, fix, ConfigError)
+
+    return check
+
+
+def _optional_text(fix: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        ok = value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value) != "")
+        expect(ok, name, "None or a non-empty string", value, fix, ConfigError)
+
+    return check
+
+
+def _choice(*choices: str) -> Callable[[str, Any], None]:
+    def check(name: str, value: Any) -> None:
+        fix = closest(value, choices) if isinstance(value, str) else ""
+        expect(isinstance(value, str) and value in choices, name, f"one of {choices}", value, fix, ConfigError)
+
+    return check
+
+
+def _ops(name: str, value: Any) -> None:
+    expect(isinstance(value, tuple), name, "a tuple or list of ops", value,
+           f"write {name}=['ns::op'] even for one op", ConfigError)
+
+
+def _capture_sizes(name: str, sizes: Any) -> None:
+    # No upper bound: nothing is allocated per size until a call of that size runs (the
+    # padding table is a binary search), and the largest sensible size depends on the model.
+    expect(isinstance(sizes, tuple) and len(sizes) > 0, name, "a non-empty tuple or list of positive ints",
+           sizes, "e.g. (1, 2, 4, 8)", ConfigError)
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
-    if bad:
-        raise ConfigError(f"capture_sizes: expected positive ints, got {bad}; e.g. (1, 2, 4, 8)")
-    dupes = sorted({s for s in sizes if sizes.count(s) > 1})
-    if dupes:
-        raise ConfigError(f"capture_sizes: duplicate sizes {dupes}; list each size once")
+    expect(not bad, name, "positive ints", bad, "e.g. (1, 2, 4, 8)", ConfigError)
+    dupes = sorted(s for s, n in collections.Counter(sizes).items() if n > 1)
+    expect(not dupes, name, "each size once", f"{dupes} more than once", "remove the repeats", ConfigError, raw=True)
+
+
+_FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    "splitting_ops": _ops,
+    "capture_sizes": _capture_sizes,
+    "compiler": _choice(*COMPILERS),
+    "cudagraphs": _optional_bool,
+    "dump_dir": _optional_text("write dump_dir='path/to/folder'"),
+    "capture_input": _optional_text("name the input as in forward, e.g. capture_input='input_ids'"),
+    "capture_input_dim": _count("e.g. 1 for input_ids' dimension 1"),
+    "reuse_output_buffers": _bool,
+    "check_addresses": _bool,
+    "use_breakable": _bool,
+    "capture_error_mode": _choice("global", "thread_local", "relaxed"),
+    "cudnn_attention": _bool,
+    "fold_grouped_query": _bool,
+    "padding": _optional_bool,
+    "exact_size_limit": _count("0 runs graphs that cannot be padded without CUDA graphs"),
+}

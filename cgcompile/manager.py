@@ -14,13 +14,22 @@ from typing import Any
 
 import torch
 
-from .aot_capture import MakeInputs, call_with, capture_all
+from .aot_capture import (
+    MakeInputs,
+    call_with,
+    capture_all,
+    check_capture_call,
+    check_pool,
+    require_captured,
+    require_cuda_graphs,
+    requested_sizes,
+)
 from .backend import Backend
 from .boundary import resolve_boundary
 from .breakable import BreakableRunner
 from .capture import CaptureSession
-from .config import Config
-from .errors import CGCompileError
+from .config import Config, as_config
+from .errors import ArgumentError, ConfigError, expect
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +44,12 @@ class GraphManager:
 
     def __init__(self, model: torch.nn.Module, config: Config | None = None, *,
                  boundary: Any = "auto", pool: Any = None):
+        _check_model(model)
         self.model = model
-        self.config = config or Config()
+        self.config = as_config(config, "GraphManager")
+        _check_boundary(model, boundary)
+        check_pool("GraphManager", pool)
+        _check_cuda_if_asked(self.config)
         self.session = CaptureSession.for_config(self.config, pool=pool)
         self.use_breakable = self.config.resolved_use_breakable()
         self.graphs_enabled = self._graphs_enabled()
@@ -54,6 +67,11 @@ class GraphManager:
         if self.config.cudagraphs is not None:
             return self.config.cudagraphs
         return any(p.is_cuda for p in self.model.parameters())
+
+    def _graphs_off_because(self) -> str:
+        if self.config.cudagraphs is False:
+            return "Config.cudagraphs=False"
+        return f"a {type(self.model).__name__} with no parameter on CUDA (graphs follow the model's device)"
 
     # -- the two paths, created on first use ---------------------------------------------------
 
@@ -99,27 +117,31 @@ class GraphManager:
     # -- what a model runner calls -------------------------------------------------------------
 
     def run_pw_graph(self, model: torch.nn.Module, inputs: Any):
-        """Run one step: inputs is a tuple of args, a dict of kwargs, or one tensor."""
+        """Run one step: inputs is a tuple of args, a dict of kwargs, or one tensor.
+
+        A list is refused (ArgumentError): write tuple(inputs) for positional args.
+        """
         if model is not self.model:
-            raise CGCompileError(
+            raise ArgumentError(
                 f"run_pw_graph: expected the model this manager was built for "
                 f"({type(self.model).__name__}), got another {type(model).__name__}; build one "
                 f"GraphManager per model"
             )
-        return call_with(self._path(), inputs)
+        return call_with(self._path(), inputs, "run_pw_graph: inputs")
 
     def capture(self, make_inputs: MakeInputs, sizes=None, progress: bool = True) -> int:
-        """Capture every size ahead of time on the chosen path; returns graphs captured."""
-        if not self.graphs_enabled:
-            return 0
-        sizes = tuple(sizes or self.config.capture_sizes)
-        too_large = [s for s in sizes if s > self.session.padding.largest]
-        if too_large:
-            raise CGCompileError(
-                f"capture: sizes {too_large} exceed the largest capture size "
-                f"{self.session.padding.largest}; add them to Config.capture_sizes"
-            )
-        return capture_all(self.session, self._path(), make_inputs, sizes, progress)
+        """Capture every size ahead of time on the chosen path; returns graphs captured.
+
+        Raises CaptureError before running anything when CUDA graphs are off for this
+        manager (no CUDA, Config.cudagraphs=False, or a model not on CUDA), as
+        `Backend.capture` does.
+        """
+        check_capture_call("GraphManager.capture", self.model, make_inputs, progress)
+        sizes = requested_sizes("GraphManager.capture", sizes, self.config.capture_sizes, bounded=True)
+        require_cuda_graphs("GraphManager.capture", self.graphs_enabled, self._graphs_off_because())
+        captured = capture_all(self.session, self._path(), make_inputs, sizes, progress)
+        require_captured("GraphManager.capture", self.session)
+        return captured
 
     def graph_memory(self) -> int:
         return self.session.graph_memory()
@@ -127,3 +149,21 @@ class GraphManager:
     def clear(self) -> None:
         """Release every graph of both paths and the pool; later calls capture again."""
         self.session.clear()
+
+
+def _check_model(model: Any) -> None:
+    fix = ("wrap it in a torch.nn.Module, or compile it with torch.compile(fn, backend=cgcompile.Backend())"
+           if callable(model) else "pass the model to run")
+    expect(isinstance(model, torch.nn.Module), "GraphManager: model", "a torch.nn.Module", model, fix)
+
+
+def _check_boundary(model: torch.nn.Module, boundary: Any) -> None:
+    """Refuse a wrong boundary now, not at the first breakable call ("auto" may only warn)."""
+    if not (isinstance(boundary, str) and boundary == "auto"):
+        resolve_boundary(model, boundary)
+
+
+def _check_cuda_if_asked(config: Config) -> None:
+    expect(config.cudagraphs is not True or torch.cuda.is_available(), "GraphManager: Config.cudagraphs",
+           "None or False on a machine without CUDA", True, "leave cudagraphs=None: the model then runs eagerly",
+           ConfigError)
