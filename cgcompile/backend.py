@@ -24,8 +24,10 @@ from .passes import (
     classify_nodes,
     example_value,
     find_capture_dim,
+    find_padding_hazards,
     fold_grouped_query_attention,
     hoist_mask_conversion,
+    input_name,
     split_graph,
 )
 from .aot_capture import (
@@ -39,8 +41,10 @@ from .aot_capture import (
 )
 from .capture import CaptureSession
 from .errors import CaptureError, expect
-from .graph_piece import CudaGraphPiece, piece_layout
-from .runtime import GraphRuntime, OutputCopy, PieceRunner
+from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
+from .layout import TracedLayout
+from .padding import SizePolicy, StepSize
+from .runtime import CallSizing, GraphRuntime, OutputCopy, PieceRunner
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +54,24 @@ class GraphAnalysis:
     """What the backend learned about one Dynamo graph before splitting it."""
 
     capture_dim: CaptureDim | None
+    capture_index: int | None  # position of the capture dimension's input among the graph's inputs
     static_inputs: frozenset[str]  # placeholder names of parameters and buffers
     device: torch.device  # the accelerator the graph runs on, or cpu
     cudagraphs: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSizing:
+    """How one graph's pieces are sized: padded to capture sizes, or at the exact size.
+
+    hazards: per capturable piece name, why padding could change its results (the
+    padding-safety pass); one hazard anywhere makes the whole graph run at exact sizes.
+    why: the sentence recorded for the graph's pieces and the dump.
+    """
+
+    padded: bool
+    hazards: dict[str, tuple]
+    why: str
 
 
 class Backend:
@@ -76,6 +95,9 @@ class Backend:
     @property
     def stats(self) -> BackendStats:
         self._stats.graphs_captured = self.session.graphs_captured
+        self._stats.layout_copies = sum(
+            r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
+        )
         return self._stats
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -83,9 +105,12 @@ class Backend:
         self.stats.graphs_seen += 1
         analysis = self._analyse(gm, example_inputs)
         split = self._split(gm, analysis)
-        runners = self._build_runners(graph_index, split, analysis)
+        sizing = self._choose_sizing(split, analysis)
+        step = StepSize()
+        runners = self._build_runners(graph_index, split, analysis, sizing, step)
         runtime = GraphRuntime(
-            split.stitch, runners, self._outputs_to_clone(gm, split, runners), self.config.cudnn_attention
+            split.stitch, runners, self._outputs_to_clone(gm, split, runners), self.config.cudnn_attention,
+            self._call_sizing(graph_index, analysis, sizing), step,
         )
         self.runtimes.append(runtime)
         self._dump(graph_index, gm, split, analysis)
@@ -109,7 +134,10 @@ class Backend:
                 f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
                 f"move the model and inputs to CUDA or leave cudagraphs=None"
             )
-        return GraphAnalysis(capture_dim, static, device, cudagraphs)
+        index = None
+        if capture_dim is not None:
+            index = next(i for i, n in enumerate(placeholders) if input_name(n) == capture_dim.input_name)
+        return GraphAnalysis(capture_dim, index, static, device, cudagraphs)
 
     def _split(self, gm: torch.fx.GraphModule, analysis: GraphAnalysis) -> SplitGraph:
         # Rewrites before classifying: their new nodes are classified like any other.
@@ -128,18 +156,47 @@ class Backend:
         )
         return split_graph(gm, eager)
 
-    def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis) -> list[PieceRunner]:
+    def _choose_sizing(self, split: SplitGraph, analysis: GraphAnalysis) -> GraphSizing:
+        symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
+        hazards = {
+            spec.name: tuple(find_padding_hazards(spec.graph, symbol).values())
+            for spec in split.pieces if spec.capturable
+        }
+        hazards = {name: h for name, h in hazards.items() if h}
+        if symbol is None:
+            return GraphSizing(False, hazards, "static: the graph has no capture dimension")
+        if hazards:
+            first = next(iter(hazards))
+            return GraphSizing(False, hazards, f"exact sizes: {first} is unsafe to pad ({hazards[first][0]})")
+        if not self.config.pads(analysis.cudagraphs):
+            return GraphSizing(False, hazards, "exact sizes: padding is off (Config.padding)")
+        return GraphSizing(True, hazards, "padded to the capture sizes")
+
+    def _call_sizing(self, graph_index: int, analysis: GraphAnalysis, sizing: GraphSizing) -> CallSizing | None:
+        if analysis.capture_dim is None:
+            return None
+        policy = SizePolicy(
+            self.session.padding, exact=not sizing.padded, limit=self.config.exact_size_limit,
+            name=f"graph{graph_index}",
+        )
+        return CallSizing(analysis.capture_index, analysis.capture_dim.dim, policy)
+
+    def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis,
+                       sizing: GraphSizing, step: StepSize) -> list[PieceRunner]:
+        eager_outputs = {out for spec in split.pieces if not spec.capturable for out in spec.outputs}
         runners = []
         for spec in split.pieces:
-            piece = _record_piece(graph_index, spec)
+            piece = _record_piece(graph_index, spec, sizing)
             self.pieces.append(piece)
             self.stats.pieces += 1
-            fn = spec.graph
-            if spec.capturable:
-                self.stats.capturable_pieces += 1
-                fn = self._compiler.compile(spec)
-                self.stats.compilations = self._compiler.compilations
-            runners.append(self._make_runner(piece, spec, fn, analysis))
+            if not spec.capturable:
+                runners.append(PieceRunner(piece.name, spec.graph))
+                continue
+            self.stats.capturable_pieces += 1
+            fn = self._compiler.compile(spec)
+            self.stats.compilations = self._compiler.compilations
+            from_eager = tuple(i for i, node in enumerate(spec.inputs) if node in eager_outputs)
+            runners.append(self._make_runner(piece, spec, fn, analysis, sizing, step, from_eager))
         if not any(s.capturable for s in split.pieces):
             log.warning(
                 "cgcompile: graph %d has no capturable piece; it runs eagerly. Reasons: %s",
@@ -148,15 +205,21 @@ class Backend:
             )
         return runners
 
-    def _make_runner(self, piece: Piece, spec, fn, analysis: GraphAnalysis) -> PieceRunner:
-        if not (spec.capturable and analysis.cudagraphs):
-            return PieceRunner(piece.name, fn)
+    def _make_runner(self, piece: Piece, spec, fn, analysis: GraphAnalysis, sizing: GraphSizing,
+                     step: StepSize, from_eager: tuple[int, ...]) -> PieceRunner:
         symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
-        layout = piece_layout(spec, symbol, analysis.static_inputs)
+        checked = from_eager if self.config.compiler == "inductor" else ()
+        traced = TracedLayout([example_value(n) for n in spec.inputs], symbol, checked)
+        graphs = analysis.cudagraphs
+        if not (graphs or sizing.padded):
+            return CompiledPiece(piece.name, fn, step, traced)
+        layout = piece_layout(spec, symbol if sizing.padded else None, analysis.static_inputs)
         if isinstance(layout, str):
-            log.warning("cgcompile: %s runs compiled but without CUDA graphs: %s", piece.name, layout)
-            return PieceRunner(piece.name, fn)
-        return CudaGraphPiece(piece.name, fn, layout, self.session)
+            # The padding-safety pass rejects every piece whose layout cannot be padded.
+            raise AssertionError(f"{piece.name}: padded, but {layout}")
+        if not graphs:
+            return PaddedPiece(piece.name, fn, layout, step, traced)
+        return CudaGraphPiece(piece.name, fn, layout, self.session, step, traced)
 
     def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[OutputCopy, ...]:
         if self.config.reuse_output_buffers:
@@ -244,10 +307,15 @@ class CaptureMemoryProfile:
     graphs: int  # CUDA graphs that capture made
 
 
-def _record_piece(graph_index: int, spec) -> Piece:
+def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
     reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
+    hazards = sizing.hazards.get(spec.name)
+    padding = "; ".join(map(str, hazards)) if hazards else None
     shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
-    return Piece(f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes)
+    return Piece(
+        f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
+        padding_unsafe=padding, sizes=sizing.why,
+    )
 
 
 def _statically_contiguous(value) -> bool:

@@ -19,7 +19,7 @@ from torch._dynamo.utils import lazy_format_graph_code
 
 from .piece import Piece
 
-SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")
+SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")  # reason: eager, or unsafe to pad
 
 
 def _code(gm) -> str:
@@ -40,9 +40,11 @@ def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Pi
 
 def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = None) -> dict:
     """One graph's summary record: what summary.json holds and `format_summary` prints."""
+    mine = [p for p in pieces if p.graph_index == graph_index]
     return {
         "graph_index": graph_index,
         "capture_dim": capture_dim,
+        "sizes": mine[0].sizes if mine else "",
         "pieces": [
             {
                 "piece": p.name,
@@ -50,9 +52,9 @@ def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = N
                 "nodes": p.node_count,
                 "inputs": list(p.input_shapes),
                 "reason": p.reason,
+                "padding_unsafe": p.padding_unsafe,
             }
-            for p in pieces
-            if p.graph_index == graph_index
+            for p in mine
         ],
     }
 
@@ -75,13 +77,16 @@ def show_to_debuggers(split) -> None:
 def format_summary(summary: dict) -> str:
     """A fixed-width table of one graph's pieces."""
     rows = [
-        (p["piece"], "yes" if p["capturable"] else "no", str(p["nodes"]), ", ".join(p["inputs"]), p["reason"] or "")
+        (p["piece"], "yes" if p["capturable"] else "no", str(p["nodes"]), ", ".join(p["inputs"]),
+         p["reason"] or p.get("padding_unsafe") or "")
         for p in summary["pieces"]
     ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(SUMMARY_COLUMNS[:-1])]
     lines = [f"graph {summary['graph_index']}"]
     if summary["capture_dim"] is not None:
         lines[0] += f": capture dimension {summary['capture_dim']}"
+    if summary.get("sizes"):
+        lines[0] += f"; {summary['sizes']}"
     header = list(SUMMARY_COLUMNS)
     for row in [header] + [list(r) for r in rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]

@@ -1,8 +1,11 @@
 """Replay one capturable piece from CUDA graphs, one graph per capture size.
 
 Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture dimension):
-  - n above the largest capture size: run the compiled piece directly, no graph.
-  - otherwise N = padding.padded(n); the graph of size N is captured on first use.
+  - the graph's runtime has already chosen the size N of this call (`padding.StepSize`):
+    the capture size n is padded to, n itself (a graph run at exact sizes), or None (no
+    graph: n above the largest capture size, or past the exact-size limit).
+  - N None: run the compiled piece directly, inputs in their traced layout.
+  - otherwise the graph of size N is captured on first use.
   - inputs that are parameters or buffers are captured by address (never copied);
     an input whose address and strides equal the captured ones (the output of the
     previous piece's graph) is used in place; any other input is copied into the
@@ -21,6 +24,8 @@ import torch
 
 from .capture import CaptureSession, Mode, output_key, weak_alias
 from .errors import CaptureError
+from .layout import TracedLayout
+from .padding import StepSize
 from .passes import example_value
 from .runtime import PieceRunner
 
@@ -35,15 +40,13 @@ class PieceLayout:
     size_inputs: tuple[int, ...]  # SymInt inputs equal to the capture symbol
     by_address: tuple[bool, ...]  # per input: parameter/buffer, captured by address
     output_dims: tuple[tuple[int, ...], ...]
-    size_source: tuple[int, int] | None  # (input, dim) holding n; dim -1 for a SymInt input
-
-    @property
-    def dynamic(self) -> bool:
-        return self.size_source is not None
 
 
 def piece_layout(spec, symbol: sympy.Symbol | None, static_inputs: frozenset[str]) -> PieceLayout | str:
-    """The layout, or a sentence saying why the piece cannot be padded."""
+    """The layout, or a sentence saying why the piece cannot be padded.
+
+    symbol None: the piece is never padded (a static graph, or one run at exact sizes);
+    no dimension is then resized and every SymInt input is passed as it comes."""
     input_dims, size_inputs, by_address = [], [], []
     for i, node in enumerate(spec.inputs):
         value = example_value(node)
@@ -64,10 +67,7 @@ def piece_layout(spec, symbol: sympy.Symbol | None, static_inputs: frozenset[str
         if isinstance(dims, str):
             return f"output {k}: {dims}"
         output_dims.append(dims)
-    source = next(((i, d[0]) for i, d in enumerate(input_dims) if d), None)
-    if source is None and size_inputs:
-        source = (size_inputs[0], -1)
-    return PieceLayout(tuple(input_dims), tuple(size_inputs), tuple(by_address), tuple(output_dims), source)
+    return PieceLayout(tuple(input_dims), tuple(size_inputs), tuple(by_address), tuple(output_dims))
 
 
 def _dims_of(value, symbol) -> tuple[int, ...] | str:
@@ -96,14 +96,6 @@ def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[in
     return tuple(shape)
 
 
-def _zeros_with_layout_of(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Zeros of `shape` whose strides are ordered like `like`'s: compiled pieces check the
-    strides of their inputs, so a transposed input must stay transposed when padded."""
-    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))
-    buf = like.new_zeros([shape[d] for d in order])
-    return buf.permute([order.index(d) for d in range(like.dim())])
-
-
 @dataclasses.dataclass(frozen=True)
 class _CopyIn:
     """An input replay copies unless it already lies where the graph reads it."""
@@ -125,10 +117,19 @@ class _Graph:
 
 
 class CudaGraphPiece(PieceRunner):
-    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession):
+    """A compiled piece replayed from one CUDA graph per size of its graph's calls.
+
+    step: the size of the current call, set by the graph's runtime (shared by its pieces).
+    traced: the traced strides of the inputs; input buffers are allocated in them.
+    """
+
+    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession, step: StepSize,
+                 traced: TracedLayout):
         super().__init__(name, fn)
         self.layout = layout
         self.session = session
+        self.step = step
+        self.traced = traced
         self.graphs: dict[int, _Graph] = {}
         self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
         self._copy_inputs = tuple(
@@ -144,15 +145,9 @@ class CudaGraphPiece(PieceRunner):
         self.graphs.clear()
 
     def forward(self, *args):
-        layout = self.layout
-        if layout.dynamic:
-            i, d = layout.size_source
-            n = args[i] if d < 0 else args[i].shape[d]
-            size = self.session.padding.padded(n)
-            if size is None:
-                return self.fn(*args)
-        else:
-            n = size = 0
+        n, size = self.step.n, self.step.size
+        if size is None:
+            return self.fn(*self.traced.conform(args, n))
         entry = self.graphs.get(size)
         if entry is None or self.session.mode is not Mode.LAZY:
             return self._first_call(args, n, size, entry)
@@ -212,7 +207,7 @@ class CudaGraphPiece(PieceRunner):
                 padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
                 in_place.add(i)
             else:
-                buf = _zeros_with_layout_of(arg, shape)
+                buf = self.traced.zeros(i, arg, shape, size)
                 _narrow(buf, dims, n).copy_(arg)
                 padded[i] = buf
         for i in self.layout.size_inputs:
@@ -247,3 +242,51 @@ class CudaGraphPiece(PieceRunner):
             self.session.live_outputs[output_key(view, tuple(full.shape))] = view
         return narrowed
 
+
+
+class PaddedPiece(PieceRunner):
+    """A compiled piece run padded to the call's size without CUDA graphs.
+
+    What `Config(padding=True)` gives on CPU: the pieces compute on exactly the padded
+    inputs a graph would replay with, so tests without a GPU see what padding does.
+    """
+
+    def __init__(self, name, fn, layout: PieceLayout, step: StepSize, traced: TracedLayout):
+        super().__init__(name, fn)
+        self.layout = layout
+        self.step = step
+        self.traced = traced
+
+    @property
+    def step_fn(self):
+        return self.forward
+
+    def forward(self, *args):
+        n, size = self.step.n, self.step.size
+        if size is None or size == n:
+            return self.fn(*self.traced.conform(args, n))
+        padded = list(args)
+        for i, dims in enumerate(self.layout.input_dims):
+            if dims and not self.layout.by_address[i]:
+                padded[i] = self.traced.zeros(i, args[i], _padded_shape(args[i], dims, size), size)
+                _narrow(padded[i], dims, n).copy_(args[i])
+        for i in self.layout.size_inputs:
+            padded[i] = size
+        outputs = self.fn(*padded)
+        return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+
+
+class CompiledPiece(PieceRunner):
+    """A compiled piece run as it comes, its inputs handed over in the traced layout."""
+
+    def __init__(self, name, fn, step: StepSize, traced: TracedLayout):
+        super().__init__(name, fn)
+        self.step = step
+        self.traced = traced
+
+    @property
+    def step_fn(self):
+        return self.forward if self.traced.checked else self.fn
+
+    def forward(self, *args):
+        return self.fn(*self.traced.conform(args, self.step.n))

@@ -1,8 +1,11 @@
-"""Which captured size serves a call of size n: the smallest capture size >= n."""
+"""Which captured size serves a call of size n: padded to a capture size, or exact."""
 
 from __future__ import annotations
 
 import bisect
+import logging
+
+log = logging.getLogger(__name__)
 
 
 class PaddingTable:
@@ -19,3 +22,59 @@ class PaddingTable:
         if not 0 < n <= self.largest:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+
+class StepSize:
+    """The size of the current call, shared by a graph's runtime and its pieces.
+
+    The runtime sets it once per call, before any piece runs, so every piece of a step
+    agrees on it. n: the call's size along the capture dimension (0 for a static graph).
+    size: the size graphs run at and are keyed by (n itself, or the capture size n is
+    padded to); None runs the pieces without graphs.
+    """
+
+    __slots__ = ("n", "size")
+
+    def __init__(self):
+        self.n = 0
+        self.size: int | None = 0
+
+
+class SizePolicy:
+    """Chooses the size one Dynamo graph's pieces run at, per call.
+
+    padded: the smallest capture size >= n. exact: n itself, for at most `limit` distinct
+    sizes (captured lazily; a new size past the limit runs without graphs, logged once).
+    Either way, sizes above the largest capture size run without graphs.
+
+    Every piece of a graph uses the same size in a call: graphs that share a pool may
+    only reuse each other's memory when they never replay in the same step (see
+    `capture.CaptureSession`), and all graphs of one size are captured in one call.
+    """
+
+    def __init__(self, table: PaddingTable, *, exact: bool, limit: int, name: str):
+        self.table = table
+        self.exact = exact
+        self.limit = limit
+        self.name = name
+        self.admitted: set[int] = set()
+        self._warned = False
+
+    def size_for(self, n: int) -> int | None:
+        if not self.exact:
+            return self.table.padded(n)
+        if n in self.admitted:
+            return n
+        if not 0 < n <= self.table.largest:
+            return None
+        if len(self.admitted) < self.limit:
+            self.admitted.add(n)
+            return n
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "cgcompile: %s runs at exact sizes and already holds graphs for %d sizes "
+                "(Config.exact_size_limit); size %d and later new sizes run without CUDA graphs",
+                self.name, self.limit, n,
+            )
+        return None

@@ -14,6 +14,10 @@ class Piece:
     capturable: replayed from CUDA graphs (on CUDA) or run compiled; else run eagerly.
     reason: why the piece runs eagerly, in words (None for capturable pieces).
     input_shapes: each input's shape with its symbols, e.g. "f32[s0, 64]".
+    padding_unsafe: why padding could change this capturable piece's results, node by
+        node (None when it keeps rows apart); see `cgcompile.passes.padding_safety`.
+    sizes: how its graph's pieces are sized, and why ("padded to the capture sizes",
+        "exact sizes: piece_2 is unsafe to pad (...)", "static: ...").
     """
 
     name: str
@@ -22,6 +26,8 @@ class Piece:
     reason: str | None
     graph: torch.fx.GraphModule
     input_shapes: tuple[str, ...]
+    padding_unsafe: str | None = None
+    sizes: str = ""
 
     @property
     def node_count(self) -> int:
@@ -37,3 +43,4 @@ class BackendStats:
     capturable_pieces: int = 0
     compilations: int = 0
     graphs_captured: int = 0
+    layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)

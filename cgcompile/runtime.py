@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .attention_backend import call_without_cudnn_attention
+from .padding import SizePolicy, StepSize
 
 
 class PieceRunner(torch.nn.Module):
@@ -60,6 +61,16 @@ class OutputCopy:
     contiguous: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class CallSizing:
+    """Where a call's size n is read (dim `dim` of graph input `input_index`) and the
+    policy that turns it into the size the pieces run at."""
+
+    input_index: int
+    dim: int
+    policy: SizePolicy
+
+
 class GraphRuntime:
     """What the backend hands back to Dynamo for one graph: the stitch with its runners.
 
@@ -70,6 +81,8 @@ class GraphRuntime:
     before returning so a later call cannot overwrite what the caller holds.
     cudnn_attention: False runs every call with SDPA's cuDNN backend off (see
     `cgcompile.attention_backend`).
+    sizing: how a call's size is read and which size its pieces run at (None: a static
+    graph, whose pieces always run at the one size they were traced with).
     """
 
     def __init__(
@@ -78,6 +91,8 @@ class GraphRuntime:
         runners: list[PieceRunner],
         clone_outputs: tuple[OutputCopy, ...],
         cudnn_attention: bool = False,
+        sizing: "CallSizing | None" = None,
+        step: StepSize | None = None,
     ):
         calls = {}
         for runner in runners:
@@ -90,8 +105,13 @@ class GraphRuntime:
         self._namespace = _StitchNamespace(stitch, calls)
         self._code = type(stitch).forward  # the generated function; `self` is its first argument
         self.cudnn_attention = cudnn_attention
+        self.sizing = sizing
+        self.step = step or StepSize()
 
     def __call__(self, *args):
+        if self.sizing is not None:
+            n = args[self.sizing.input_index].shape[self.sizing.dim]
+            self.step.n, self.step.size = n, self.sizing.policy.size_for(n)
         if self.cudnn_attention:
             outputs = self._code(self._namespace, *args)
         else:

@@ -1,4 +1,5 @@
-"""Pure FX passes of cgcompile: classify nodes, choose the capture dimension, split.
+"""Pure FX passes of cgcompile: classify nodes, choose the capture dimension, split,
+and prove padding safe.
 
 No CUDA and no runtime state here: every pass takes a graph and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
@@ -10,17 +11,20 @@ from .attention_mask import hoist_mask_conversion
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
 from .grouped_query import fold_grouped_query_attention
+from .padding_safety import PaddingHazard, find_padding_hazards
 from .split import PieceSpec, SplitGraph, split_graph
 from .split_rule import SplitReason, classify_nodes, is_floating
 
 __all__ = [
     "CaptureDim",
+    "PaddingHazard",
     "PieceSpec",
     "SplitGraph",
     "SplitReason",
     "classify_nodes",
     "example_value",
     "find_capture_dim",
+    "find_padding_hazards",
     "fold_grouped_query_attention",
     "hoist_mask_conversion",
     "input_name",

@@ -1,0 +1,166 @@
+"""Padding safety: the pure pass on single ops, and padded runs on CPU (Config.padding=True)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgcompile
+from cgcompile.passes import find_capture_dim, find_padding_hazards
+from cgcompile.testing import SILLY_OP
+
+W = torch.randn(8, 8)
+TABLE = torch.randn(100, 8)
+
+
+def _split(x):
+    return torch.ops.cgcompile_testing.silly_attention(x, x, x)
+
+
+def _clone_and_set(x, index):
+    t = x.clone()
+    t[index] = 0
+    return t
+
+
+# name -> (function of x: [n, 8], the op named in the hazard, or None when safe)
+OPS = {
+    "rowwise": (lambda x: F.silu(x @ W) * 2 + 1, None),
+    "mean_last": (lambda x: x - x.mean(-1, keepdim=True), None),
+    "softmax_last": (lambda x: torch.softmax(x, -1), None),
+    "cumsum_last": (lambda x: x.cumsum(1), None),
+    "topk_last": (lambda x: torch.topk(x, 2, dim=-1).values, None),
+    "layer_norm": (lambda x: F.layer_norm(x, (8,)), None),
+    "heads_view": (lambda x: x.view(x.shape[0], 2, 4).transpose(1, 2).reshape(x.shape[0], 8), None),
+    "arange_positions": (lambda x: x + torch.arange(x.shape[0])[:, None], None),
+    "position_table": (lambda x: x + TABLE[: x.shape[0]], None),
+    "gather_last": (lambda x: torch.gather(x, 1, x.argmax(-1, keepdim=True)), None),
+    "in_place": (lambda x: (x * 2).mul_(3).add_(1), None),
+    "set_columns": (lambda x: _clone_and_set(x, (slice(None), slice(0, 2))), None),
+    "cat_last": (lambda x: torch.cat([x, x * 2], 1), None),
+    "one_hot": (lambda x: F.one_hot(x.argmax(-1), 8).float() * x, None),
+    "zeros_of_size": (lambda x: x + torch.zeros(x.shape[0], 8), None),
+    "size_as_value": (lambda x: torch.sin(x) + x.shape[0], "uses the capture size"),
+    "divide_by_size": (lambda x: x / x.size(0), "uses the capture size"),
+    "full_of_size": (lambda x: x + torch.full((x.shape[0], 8), x.shape[0]), "uses the capture size"),
+    "reversed_arange": (lambda x: x + torch.arange(x.shape[0] - 1, -1, -1)[:, None], "uses the capture size"),
+    "mean_rows": (lambda x: x - x.mean(0, keepdim=True), "mean reduces"),
+    "amax_rows": (lambda x: x.amax(0, keepdim=True) * x, "amax reduces"),
+    "max_rows": (lambda x: x.max(0).values, "max reduces"),
+    "softmax_rows": (lambda x: torch.softmax(x, 0), "softmax mixes rows"),
+    "cumsum_rows": (lambda x: x.cumsum(0), "cumsum mixes rows"),
+    "sort_rows": (lambda x: x.sort(0).values, "sort mixes rows"),
+    "flip_rows": (lambda x: x.flip(0), "flip mixes rows"),
+    "normalize_rows": (lambda x: F.normalize(x, dim=0), "normalize mixes rows"),
+    "gram": (lambda x: x.T @ x, "matmul reduces"),
+    "scrambling_reshape": (lambda x: x.reshape(8, -1), "moves elements across rows"),
+    "flatten_rows": (lambda x: x.unsqueeze(1).expand(-1, 3, -1).reshape(-1, 8), "inside an expression"),
+    "cat_rows": (lambda x: torch.cat([x, x * 2], 0), "inside an expression"),
+    "last_row": (lambda x: x - x[-1], "getitem reduces"),
+    "index_rows": (lambda x: x[x[:, 0].long().clamp(0, 1)], "getitem picks rows"),
+    "set_row": (lambda x: _clone_and_set(x, 0), "setitem picks rows"),
+    "outer_rows": (lambda x: x[:, None, :] * x[None, :, :], "rows meet padding rows"),
+}
+
+
+def _hazards(fn) -> list[str]:
+    found = {}
+
+    def backend(gm, example_inputs):
+        dim = find_capture_dim(gm, frozenset())
+        found["hazards"] = [str(h) for h in find_padding_hazards(gm, dim.symbol).values()]
+        return gm.forward
+
+    x = torch.randn(5, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(fn, backend=backend, fullgraph=True)(x)
+    return found["hazards"]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_padding_hazard_of_one_op(name):
+    fn, expected = OPS[name]
+    hazards = _hazards(fn)
+    if expected is None:
+        assert hazards == []
+    else:
+        assert any(expected in h and h.endswith("[padding_unsafe]") for h in hazards), hazards
+
+
+def _compile(fn, **options):
+    options = {"compiler": "eager", "capture_sizes": (1, 2, 4, 8), "padding": True,
+               "splitting_ops": [SILLY_OP], **options}
+    config = cgcompile.Config(**options)
+    backend = cgcompile.Backend(config)
+    return torch.compile(fn, backend=backend), backend
+
+
+ISSUE_EXAMPLES = {
+    "size_as_value": lambda x: _split(torch.sin(x)) + x.shape[0],
+    "centre_before_split": lambda x: _split(x - x.mean(0, keepdim=True)),
+    "centre_after_split": lambda x: (lambda y: y - y.mean(0, keepdim=True))(_split(x)),
+    "amax_before_split": lambda x: _split(x.amax(0, keepdim=True) * x),
+    "softmax_after_split": lambda x: torch.softmax(_split(x), 0),
+}
+
+
+@pytest.mark.parametrize("name", ISSUE_EXAMPLES)
+def test_unsafe_graphs_run_at_exact_sizes_and_equal_eager(name):
+    fn = ISSUE_EXAMPLES[name]
+    compiled, backend = _compile(fn)
+    for n in (3, 5, 6, 8, 37, 2, 7):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), fn(x))
+    unsafe = [p for p in backend.pieces if p.padding_unsafe]
+    assert unsafe and all(p.capturable for p in unsafe)
+    assert all(p.sizes.startswith("exact sizes: ") for p in backend.pieces)
+    assert backend.runtimes[-1].step.size is None or backend.runtimes[-1].step.size == 7
+
+
+def test_row_independent_graphs_are_padded():
+    def fn(x):
+        return torch.relu(_split(x @ W)) + 1
+
+    compiled, backend = _compile(fn)
+    for n in (3, 5, 8, 11):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), fn(x))
+        step = backend.runtimes[-1].step
+        assert (step.n, step.size) == (n, {3: 4, 5: 8, 8: 8, 11: None}[n])
+    assert all(p.padding_unsafe is None for p in backend.pieces)
+    assert backend.pieces[0].sizes == "padded to the capture sizes"
+
+
+def test_padding_off_runs_exact_sizes():
+    compiled, backend = _compile(lambda x: _split(x) * 2, padding=False)
+    x = torch.randn(3, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled(x)
+    assert backend.runtimes[-1].step.size == 3
+    assert backend.pieces[0].sizes == "exact sizes: padding is off (Config.padding)"
+
+
+def test_exact_size_limit_runs_new_sizes_without_graphs(caplog):
+    compiled, backend = _compile(lambda x: _split(x - x.mean(0)), exact_size_limit=2)
+    sizes = []
+    for n in (3, 5, 6, 3):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), _split(x - x.mean(0)))
+        sizes.append(backend.runtimes[-1].step.size)
+    assert sizes == [3, 5, None, 3]
+    assert "exact_size_limit" in caplog.text
+
+
+def test_padding_reason_in_dump_and_inspect(tmp_path, capsys):
+    compiled, _ = _compile(lambda x: _split(x - x.mean(0)), dump_dir=str(tmp_path))
+    x = torch.randn(5, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    compiled(x)
+    from cgcompile import inspect as inspect_cli
+
+    assert inspect_cli.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "exact sizes: piece_0 is unsafe to pad" in out
+    assert "mean reduces or indexes over the capture dimension (dim 0 of [s" in out
