@@ -7,17 +7,17 @@
 The one-line change is `model.forward = torch.compile(model.forward, backend=backend)`;
 generate() keeps its default DynamicCache. The model is built from a config with random
 weights (no download), so the tokens mean nothing, but eager and compiled must agree.
-On CPU there are no CUDA graphs, so expect no speed-up there: the CPU run shows the split.
+On CPU there are no CUDA graphs, so the CPU run shows the split and is not timed.
 """
 
 import argparse
+import re
 import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
-from cgcompile.dump import format_summary, summarize
 
 
 def build_model(args) -> LlamaForCausalLM:
@@ -47,7 +47,7 @@ def best_of(runs: int, model, ids, mask, new_tokens) -> tuple[torch.Tensor, floa
     return results[0][0], min(seconds for _, seconds in results)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default="eager")
@@ -57,17 +57,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    model = build_model(args)
+
+def make_prompt(args, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
-    ids = torch.randint(3, model.config.vocab_size, (args.batch, args.prompt_len), device=args.device)  # [B, T]
+    ids = torch.randint(3, vocab_size, (args.batch, args.prompt_len), device=args.device)  # [B, T]
     mask = torch.ones_like(ids)
     mask[1:, :2] = 0  # rows after the first are left-padded by two tokens
-    ids = ids.masked_fill(mask == 0, 0)
+    return ids.masked_fill(mask == 0, 0), mask
 
-    timed_generate(model, ids, mask, args.new_tokens)  # warm-up
-    expected, eager_s = best_of(3, model, ids, mask, args.new_tokens)
+
+def main() -> None:
+    args = parse_args()
+    model = build_model(args)
+    ids, mask = make_prompt(args, model.config.vocab_size)
+    timing = ids.is_cuda  # without CUDA there are no CUDA graphs: a speed-up figure would mislead
+    runs = 3 if timing else 1
+    if timing:
+        timed_generate(model, ids, mask, args.new_tokens)  # warm-up
+    expected, eager_s = best_of(runs, model, ids, mask, args.new_tokens)
 
     backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
     model.forward = torch.compile(model.forward, backend=backend)  # the one-line change
@@ -75,21 +84,36 @@ def main() -> None:
     # generate() compiles two graphs (prefill, decode) instead of three.
     torch.compiler.config.dynamic_sources = r".*past_key_values.*"
     _, warmup_s = timed_generate(model, ids, mask, args.new_tokens)  # trace, compile, capture
-    got, compiled_s = best_of(3, model, ids, mask, args.new_tokens)
+    got, compiled_s = best_of(runs, model, ids, mask, args.new_tokens)
 
-    same = torch.equal(got, expected)
-    for graph, role in enumerate(("prefill", "every decode step")):
-        pieces = [p for p in backend.pieces if p.graph_index == graph]
-        print(f"graph {graph} ({role}): {len(pieces)} pieces, {sum(p.capturable for p in pieces)} capturable")
-    print(format_summary(summarize(backend.stats.graphs_seen - 1, backend.pieces)))
-    print(backend.stats)
+    print_split(backend)
     tokens = args.batch * args.new_tokens
-    print(f"eager:     {tokens / eager_s:8.1f} tokens/s")
-    print(f"cgcompile: {tokens / compiled_s:8.1f} tokens/s  (first call, with compilation: {warmup_s:.1f} s)")
+    if timing:
+        print(f"eager:     {tokens / eager_s:8.1f} tokens/s")
+        print(f"cgcompile: {tokens / compiled_s:8.1f} tokens/s  (first call, with compilation: {warmup_s:.1f} s)")
+    else:
+        print(f"not timed on {ids.device.type}: there are no CUDA graphs to measure "
+              f"(first compiled call, with compilation: {warmup_s:.1f} s)")
+    same = torch.equal(got, expected)
     print(f"greedy tokens {'identical to' if same else 'DIFFERENT from'} eager "
           f"({args.batch} x {args.new_tokens} new tokens, {args.dtype}, compiler={args.compiler})")
     if not same:
         raise SystemExit(1)
+
+
+def print_split(backend: cgcompile.Backend) -> None:
+    """Pieces per graph, then one short line per decode piece: why it runs eagerly, as the
+    split rules' names (`backend.pieces[i].reason` has the full text, node by node)."""
+    for graph, role in enumerate(("prefill", "every decode step")):
+        pieces = [p for p in backend.pieces if p.graph_index == graph]
+        print(f"graph {graph} ({role}): {len(pieces)} pieces, {sum(p.capturable for p in pieces)} capturable")
+    print(f"{'piece':<16} {'capturable':<10} {'nodes':>5}  {'inputs':>6}  eager because")
+    for piece in backend.pieces:
+        if piece.graph_index == backend.stats.graphs_seen - 1:
+            rules = dict.fromkeys(re.findall(r"\[(\w+)\]", piece.reason or ""))  # in order, once each
+            line = f"{piece.name:<16} {'yes' if piece.capturable else 'no':<10} {piece.node_count:>5}  "
+            print(f"{line}{len(piece.input_shapes):>6}  {', '.join(rules)}".rstrip())
+    print(backend.stats)
 
 
 if __name__ == "__main__":

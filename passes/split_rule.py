@@ -171,8 +171,10 @@ def _scalar_rule(node: Node, allowed: set) -> tuple[str, str] | None:
 
 def _not_capture_dim(symbols: set, allowed: set) -> str:
     names = ", ".join(sorted(map(str, symbols)))
-    cap = ", ".join(map(str, allowed)) or "none: the graph is static"
-    return f"depends on {names}, not on the capture dimension ({cap})"
+    if not allowed:  # every input's capture candidate has a fixed size (batch-1 decode, say)
+        # No semicolon: reasons are joined with "; ".
+        return f"depends on the dynamic size {names} (a graph without a capture dimension captures fixed shapes only)"
+    return f"depends on {names}, not on the capture dimension ({', '.join(map(str, allowed))})"
 
 
 def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str] | None:

@@ -77,7 +77,7 @@ def test_override_names_no_input():
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         torch.compile(two_streams, backend=backend)(*dynamic_pair())
     assert isinstance(info.value.inner_exception, cgcompile.ConfigError)
-    assert "capture_input: no graph input named 'tokens'; the tensor inputs are" in str(info.value)
+    assert "capture_input: expected the name of a tensor input as in forward, got 'tokens'; the graph's" in str(info.value)
 
 
 def test_override_of_a_static_dim_gives_a_static_graph(tmp_path):
@@ -92,5 +92,50 @@ def test_override_names_a_missing_dim():
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_input="x", capture_input_dim=2))
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         torch.compile(two_streams, backend=backend)(*dynamic_pair())
-    assert "capture_input: input 'x' has shape" in str(info.value)
-    assert "no dim 2; pick a dim below 2" in str(info.value)
+    assert "capture_input: expected capture_input_dim below 2 for input 'x' of shape" in str(info.value)
+    assert "got 2; pick a dimension the input has" in str(info.value)
+
+
+def test_override_names_a_torch_nn_module_input_as_in_forward(tmp_path):
+    # Dynamo traces a torch.nn module through a wrapper, so its inputs are L['args'][i];
+    # capture_input still takes the forward's names (nn.Bilinear.forward(input1, input2)).
+    x1, x2 = torch.randn(4, 3), torch.randn(4, 5)
+    torch._dynamo.mark_dynamic(x1, 0)
+    torch._dynamo.mark_dynamic(x2, 0)
+    _, default = run(tmp_path / "default", torch.nn.Bilinear(3, 5, 2), (x1, x2))
+    _, named = run(tmp_path / "named", torch.nn.Bilinear(3, 5, 2), (x1, x2), capture_input="input2")
+    assert default.endswith("(dim 0 of L['args'][0])")
+    assert named.endswith("(dim 0 of L['args'][1])")
+
+
+def test_override_on_sequential_by_forward_name_and_by_dynamo_name(tmp_path):
+    x = torch.randn(3, 4)
+    torch._dynamo.mark_dynamic(x, 0)
+    for name in ("input", "L['args'][0]"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        _, capture_dim = run(tmp_path / str(len(name)), model, (x,), capture_input=name)
+        assert capture_dim.endswith("(dim 0 of L['args'][0])")
+
+
+def test_unknown_override_on_sequential_lists_the_forward_name():
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_input="x"))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        torch.compile(model, backend=backend)(torch.randn(3, 4))
+    assert "got 'x'; the graph's tensor inputs other than parameters and buffers are [\"input (L['args'][0])\"]" in str(
+        info.value
+    )
+
+
+def test_reason_in_a_graph_without_capture_dimension(tmp_path):
+    def grow(x, cache):  # x: [1, 1], cache: [1, S]: S is dynamic, dim 0 fixed
+        return torch.cat([cache, x], 1).sin()
+
+    cache = torch.randn(1, 5)
+    torch._dynamo.mark_dynamic(cache, 1)
+    backend, capture_dim = run(tmp_path, grow, (torch.randn(1, 1), cache))
+    assert capture_dim == "None"
+    (piece,) = backend.pieces
+    assert "depends on the dynamic size s" in piece.reason
+    assert "(a graph without a capture dimension captures fixed shapes only) [dynamic_shape]" in piece.reason
+    assert "not on the capture dimension" not in piece.reason
