@@ -6,29 +6,59 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
 from .dump import format_summary
+from .errors import ArgumentError, CGCompileError, expect, expected
+
+_HOW_TO_DUMP = "compile with Config(dump_dir=...) or CGCOMPILE_DUMP_DIR set"
+_SUMMARY_KEYS = ("graph_index", "capture_dim", "pieces")
+_PIECE_KEYS = ("piece", "capturable", "nodes", "inputs", "reason")
 
 
 def summaries(dump_dir: str) -> list[dict]:
-    paths = glob.glob(os.path.join(dump_dir, "graph_*", "summary.json"))
-    paths.sort(key=lambda p: int(os.path.basename(os.path.dirname(p)).split("_")[1]))
-    result = []
-    for path in paths:
+    """Every graph_<i>/summary.json under dump_dir, in the order of i.
+
+    Raises ArgumentError when dump_dir is not a folder, or names the summary that is not
+    one cgcompile wrote. Folders not named graph_<i> are not summaries and are skipped.
+    """
+    expect(os.path.isdir(dump_dir), "dump_dir", "an existing folder", dump_dir, _HOW_TO_DUMP)
+    found = []
+    for path in glob.glob(os.path.join(dump_dir, "graph_*", "summary.json")):
+        match = re.fullmatch(r"graph_(\d+)", os.path.basename(os.path.dirname(path)))
+        if match:
+            found.append((int(match.group(1)), path))
+    return [_read(path) for _, path in sorted(found)]
+
+
+def _read(path: str) -> dict:
+    wanted = "a summary.json written by cgcompile"
+    try:
         with open(path) as f:
-            result.append(json.load(f))
-    return result
+            summary = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArgumentError(expected(path, wanted, f"{type(e).__name__}: {e}", "dump again", raw=True)) from e
+    complete = isinstance(summary, dict) and all(k in summary for k in _SUMMARY_KEYS)
+    expect(complete, path, f"{wanted}, with keys {list(_SUMMARY_KEYS)}",
+           sorted(summary) if isinstance(summary, dict) else summary, "dump again")
+    pieces = summary["pieces"]
+    complete = isinstance(pieces, list) and all(isinstance(p, dict) and all(k in p for k in _PIECE_KEYS) for p in pieces)
+    expect(complete, f"{path}: pieces", f"a list of pieces with keys {list(_PIECE_KEYS)}", pieces, "dump again")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cgcompile.inspect", description=__doc__)
     parser.add_argument("dump_dir", help="the folder given as Config.dump_dir or CGCOMPILE_DUMP_DIR")
     args = parser.parse_args(argv)
-    found = summaries(args.dump_dir)
-    if not found:
-        print(f"no cgcompile dump in {args.dump_dir!r}: expected graph_<i>/summary.json there; "
-              f"compile with Config(dump_dir=...) or CGCOMPILE_DUMP_DIR set", file=sys.stderr)
+    try:
+        found = summaries(args.dump_dir)
+        if not found:
+            raise ArgumentError(expected("dump_dir", "graph_<i>/summary.json files",
+                                         f"no cgcompile dump in {args.dump_dir!r}", _HOW_TO_DUMP, raw=True))
+    except CGCompileError as e:  # a command line prints the message, not a traceback
+        print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     for summary in found:
         print(format_summary(summary))
