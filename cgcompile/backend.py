@@ -7,6 +7,7 @@ steps it takes. Everything it decides is recorded in `stats` and `pieces`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Callable
 
@@ -41,6 +42,7 @@ from .aot_capture import (
 )
 from .capture import CaptureSession
 from .errors import CaptureError, expect
+from .capture_recovery import find_uncapturable_node, split_at_node
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -113,6 +115,7 @@ class Backend:
             self._call_sizing(graph_index, analysis, sizing), step,
         )
         self.runtimes.append(runtime)
+        self._arm_recovery(graph_index, runtime, runtime, split, analysis, sizing)
         self._dump(graph_index, gm, split, analysis)
         return runtime.__call__  # a bound method: debuggers such as depyf read its __code__
 
@@ -221,6 +224,56 @@ class Backend:
             return PaddedPiece(piece.name, fn, layout, step, traced)
         return CudaGraphPiece(piece.name, fn, layout, self.session, step, traced)
 
+    # -- recovery from a failed capture ------------------------------------------------------
+
+    def _arm_recovery(self, graph_index, top: GraphRuntime, owner: GraphRuntime, split: SplitGraph,
+                      analysis: GraphAnalysis, sizing: GraphSizing) -> None:
+        """Let each graph runner of `owner` (`top` itself, or a piece's split inside it)
+        call back here when its capture fails."""
+        for spec, runner in zip(split.pieces, owner.runners):
+            if isinstance(runner, CudaGraphPiece):
+                runner.recover = functools.partial(
+                    self._recover, graph_index, top, owner, spec, analysis, sizing
+                )
+
+    def _recover(self, graph_index, top: GraphRuntime, owner: GraphRuntime, spec, analysis, sizing,
+                 runner: CudaGraphPiece, args, padded, error: CaptureError):
+        """Split the piece at the node that cannot be captured, then finish this call.
+
+        Graphs of `top` captured in earlier calls or earlier in this one are dropped, and
+        the rest of this call runs without graphs: all graphs of one size must be captured
+        in one call for the pool's memory sharing to hold (see `capture.CaptureSession`).
+        """
+        found = find_uncapturable_node(spec.graph, padded, self.session)
+        top.drop_graphs()
+        top.step.size = None
+        if found is None:
+            replacement, reason = PieceRunner(runner.piece_name, spec.graph), (
+                f"capture_failed: no single node could be blamed ({error}); the piece runs eagerly"
+            )
+            new_runners = [replacement]
+        else:
+            sub = split_at_node(spec.graph, found)
+            sub = dataclasses.replace(sub, pieces=tuple(
+                dataclasses.replace(p, name=f"{spec.name}.{p.name}") for p in sub.pieces
+            ))
+            new_runners = self._build_runners(graph_index, sub, analysis, sizing, top.step)
+            replacement = GraphRuntime(sub.stitch, new_runners, (), self.config.cudnn_attention, None, top.step)
+            self._arm_recovery(graph_index, top, replacement, sub, analysis, sizing)
+            reason = f"capture_failed: split at {found.node.name} ({found.op}), see {runner.piece_name}.*"
+        log.warning("cgcompile: capturing %s failed: %s. %s", runner.piece_name, _first_line(error),
+                    found.advice if found else "It runs eagerly from now on.")
+        self._replace_record(runner.piece_name, reason)
+        owner.replace_runner(runner, replacement, new_runners)
+        top.runners.extend(r for r in new_runners if r not in top.runners)
+        return replacement(*args)
+
+    def _replace_record(self, name: str, reason: str) -> None:
+        for i, piece in enumerate(self.pieces):
+            if piece.name == name:
+                self.pieces[i] = dataclasses.replace(piece, capturable=False, reason=reason)
+                self.stats.capturable_pieces -= 1
+
     def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[OutputCopy, ...]:
         if self.config.reuse_output_buffers:
             return ()
@@ -316,6 +369,11 @@ def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
         f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
         padding_unsafe=padding, sizes=sizing.why,
     )
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _statically_contiguous(value) -> bool:

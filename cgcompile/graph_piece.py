@@ -132,6 +132,9 @@ class CudaGraphPiece(PieceRunner):
         self.traced = traced
         self.graphs: dict[int, _Graph] = {}
         self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
+        # Called as recover(self, args, padded_args, error) when capturing fails; the
+        # backend splits the piece at the node that cannot be captured.
+        self.recover = None
         self._copy_inputs = tuple(
             i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs
         )
@@ -192,7 +195,12 @@ class CudaGraphPiece(PieceRunner):
         if entry is None:
             if mode is Mode.LAZY or size not in self._warmed:  # never capture a cold piece
                 self.session.warm_up(self.fn, *padded)
-            return self._capture(padded, in_place, n, size)
+            try:
+                return self._capture(padded, in_place, n, size)
+            except CaptureError as error:
+                if self.recover is None:
+                    raise
+                return self.recover(self, args, padded, error)
         return self._replay(entry, args, n, size)
 
     def _padded_args(self, args, n: int, size: int) -> tuple[list, set[int]]:

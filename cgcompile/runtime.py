@@ -108,6 +108,19 @@ class GraphRuntime:
         self.sizing = sizing
         self.step = step or StepSize()
 
+    def replace_runner(self, old: PieceRunner, new: Callable, new_runners: list) -> None:
+        """Call `new` where `old` was called (recovery after a failed capture)."""
+        name = old.piece_name.rsplit(".", 1)[-1]
+        setattr(self._namespace, name, new)
+        self.runners = [r for r in self.runners if r is not old] + list(new_runners)
+
+    def drop_graphs(self) -> None:
+        """Forget every CUDA graph of this graph's pieces; they are captured again lazily."""
+        for runner in self.runners:
+            clear = getattr(runner, "clear", None)
+            if clear is not None:
+                clear()
+
     def __call__(self, *args):
         if self.sizing is not None:
             n = args[self.sizing.input_index].shape[self.sizing.dim]

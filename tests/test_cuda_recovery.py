@@ -1,0 +1,48 @@
+"""Recovery from a failed capture: the piece is split at the node a graph cannot hold (GPU)."""
+
+import pytest
+import torch
+
+import cgcompile
+
+LIB = torch.library.Library("cgcompile_recovery_test", "DEF")
+LIB.define("reads_on_host(Tensor x) -> Tensor")
+
+
+def _reads_on_host(x):
+    # Like an op that reads offsets on the host: a device-to-host copy, fine eagerly,
+    # not allowed while a stream captures.
+    scale = 1.0 if x.abs().sum().item() >= 0 else 2.0
+    return x * scale
+
+
+LIB.impl("reads_on_host", _reads_on_host, "CUDA")
+LIB.impl("reads_on_host", lambda x: torch.empty_like(x), "Meta")
+
+W = None
+
+
+def _model(x):
+    y = torch.sin(x) @ W
+    y = torch.ops.cgcompile_recovery_test.reads_on_host(y)
+    return torch.relu(y) * 2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_opaque_op_that_reads_on_the_host_is_split_out(compiler, caplog):
+    global W
+    W = torch.randn(16, 16, device="cuda")
+    backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capture_sizes=(1, 2, 4, 8)))
+    compiled = torch.compile(_model, backend=backend)
+    for n in (3, 5, 8, 3, 5):
+        x = torch.randn(n, 16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), _model(x))
+    names = {p.name: p for p in backend.pieces}
+    assert names["graph0.piece_0"].reason.startswith("capture_failed: split at ")
+    eager = [p for p in backend.pieces if p.name.startswith("graph0.piece_0.") and not p.capturable]
+    assert len(eager) == 1 and "cgcompile_recovery_test::reads_on_host" in eager[0].reason
+    assert "[capture_failed]" in eager[0].reason
+    assert backend.stats.graphs_captured >= 4  # the parts before and after, at sizes 4 and 8
+    assert "splitting_ops=['cgcompile_recovery_test::reads_on_host']" in caplog.text
