@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable
 
@@ -18,7 +19,7 @@ import torch
 
 from .capture import CaptureSession, Mode
 from .pool import GraphPool
-from .errors import CaptureError, CGCompileError, expect, expected
+from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +70,17 @@ def requested_sizes(culprit: str, sizes: Any, configured: tuple[int, ...], *, bo
     return tuple(sizes)
 
 
+def cuda_present() -> bool:
+    """Whether this machine has CUDA: the one question every check here asks of it."""
+    return torch.cuda.is_available()
+
+
 def require_cuda_graphs(culprit: str, graphs_on: bool, off_because: str) -> None:
     """Raise before any warm-up when no CUDA graph can be captured here.
 
     graphs_on: whether the owner runs CUDA graphs at all; off_because says why not.
     """
-    if not torch.cuda.is_available():
+    if not cuda_present():
         raise CaptureError(expected(
             culprit, "a CUDA device (CUDA graphs need CUDA)", "none: torch.cuda.is_available() is False",
             "run on a GPU; on CPU leave capture out: calls run the split pieces without graphs", raw=True))
@@ -98,8 +104,15 @@ def check_pool(culprit: str, pool: Any) -> None:
     handle = isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(x, int) for x in pool)
     expect(pool is None or isinstance(pool, GraphPool) or handle, f"{culprit}: pool",
            "None, a cgcompile.GraphPool or torch.cuda.graph_pool_handle()", pool)
-    expect(pool is None or torch.cuda.is_available(), f"{culprit}: pool", "None without CUDA",
+    expect(pool is None or cuda_present(), f"{culprit}: pool", "None without CUDA",
            pool, "a graph pool needs a CUDA device")
+
+
+def check_cudagraphs_setting(culprit: str, config) -> None:
+    """Config.cudagraphs=True asks for graphs: refuse it where there is no CUDA."""
+    expect(config.cudagraphs is not True or cuda_present(), f"{culprit}: Config.cudagraphs",
+           "None or False on a machine without CUDA", True, "leave cudagraphs=None: the model then runs eagerly",
+           ConfigError)
 
 
 def capture_all(session: CaptureSession, run: Callable, make_inputs: MakeInputs,
@@ -138,18 +151,23 @@ def _run_one(run: Callable, make_inputs: MakeInputs, size: int, warmup: bool) ->
     except Exception as e:
         raise CaptureError(expected(
             label, f"the model to accept make_inputs({size}, {warmup})", _first_line(e),
-            f"check that make_inputs returns the inputs of a call of size {size} in the shapes forward "
-            f"expects (the cause is chained)", raw=True)) from e
+            f"check that make_inputs returns the inputs of a call of size {size} in the shapes and dtypes "
+            f"forward expects (the cause is chained)", raw=True)) from e
 
 
 def _first_line(error: BaseException) -> str:
-    """The root cause's type and first line: Dynamo wraps a shape error in pages of context."""
+    """The root cause as "Type: first line". Dynamo reports a shape error met while tracing
+    as "...: got RuntimeError('...')" inside pages of context; that inner error is the cause."""
     while error.__cause__ is not None:
         error = error.__cause__
-    lines = str(error).strip().splitlines()
-    text = lines[0] if lines else ""
+    text = str(error).strip()
+    inner = re.search(r"\): got (\w+)\((['\"])(.+?)\2\)\n", text)
+    if inner:
+        kind, text = inner.group(1), inner.group(3)
+    else:
+        kind, text = type(error).__name__, text.splitlines()[0] if text else ""
     text = text if len(text) <= 200 else text[:197] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{kind}: {text}" if text else kind
 
 
 def _progress(sizes: list[int], enabled: bool):

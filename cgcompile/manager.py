@@ -19,6 +19,7 @@ from .aot_capture import (
     call_with,
     capture_all,
     check_capture_call,
+    check_cudagraphs_setting,
     check_pool,
     require_captured,
     require_cuda_graphs,
@@ -29,7 +30,7 @@ from .boundary import resolve_boundary
 from .breakable import BreakableRunner
 from .capture import CaptureSession
 from .config import Config, as_config
-from .errors import ArgumentError, ConfigError, expect
+from .errors import ArgumentError, expect
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class GraphManager:
         self.config = as_config(config, "GraphManager")
         _check_boundary(model, boundary)
         check_pool("GraphManager", pool)
-        _check_cuda_if_asked(self.config)
+        check_cudagraphs_setting("GraphManager", self.config)
         self.session = CaptureSession.for_config(self.config, pool=pool)
         self.use_breakable = self.config.resolved_use_breakable()
         self.graphs_enabled = self._graphs_enabled()
@@ -161,9 +162,3 @@ def _check_boundary(model: torch.nn.Module, boundary: Any) -> None:
     """Refuse a wrong boundary now, not at the first breakable call ("auto" may only warn)."""
     if not (isinstance(boundary, str) and boundary == "auto"):
         resolve_boundary(model, boundary)
-
-
-def _check_cuda_if_asked(config: Config) -> None:
-    expect(config.cudagraphs is not True or torch.cuda.is_available(), "GraphManager: Config.cudagraphs",
-           "None or False on a machine without CUDA", True, "leave cudagraphs=None: the model then runs eagerly",
-           ConfigError)
