@@ -92,7 +92,9 @@ class _NodeByNodeCapture(Interpreter):
         graph = torch.cuda.CUDAGraph()
         with self.session.on_capture_stream(), gc_paused():
             release_cublas_workspaces()
-            graph.capture_begin(capture_error_mode=self.session.error_mode)
+            # Into the session's pool, as the failed capture did: a failed capture into a
+            # pool of its own trips the allocator's use count when the graph is freed.
+            graph.capture_begin(pool=self.session.pool.handle, capture_error_mode=self.session.error_mode)
             try:
                 super().run_node(node)
             except Exception as e:  # noqa: BLE001 - any failure under capture is the answer
