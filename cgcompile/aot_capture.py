@@ -1,7 +1,7 @@
 """Ahead-of-time capture of every capture size, shared by the backend and the manager.
 
-With it, the checks of what those owners are given. They run before anything is warmed
-up or captured, so a wrong call leaves the owner as it was: arguments first
+Here too are the checks of what those two owners are given. They run before anything is
+warmed up or captured, so a wrong call leaves the owner as it was: arguments first
 (`check_capture_call`, `requested_sizes`, `check_pool`), then the machine
 (`require_cuda_graphs`). Without CUDA, or with CUDA graphs off, every capture entry
 point raises `CaptureError` the same way instead of running the model.
@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .capture import CaptureSession, Mode
-from .pool import GraphPool
 from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
+from .pool import GraphPool
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def requested_sizes(culprit: str, sizes: Any, configured: tuple[int, ...], *, bo
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
     expect(not bad, f"{culprit}: sizes", "positive ints", bad)
     largest = max(configured)
-    above = [s for s in sizes if bounded and s > largest]
+    above = [s for s in sizes if s > largest] if bounded else []
     expect(not above, f"{culprit}: sizes", f"sizes up to the largest capture size {largest}", above,
            "add them to Config.capture_sizes (calls above the largest size run without graphs)")
     return tuple(sizes)

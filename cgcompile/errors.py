@@ -63,6 +63,6 @@ def describe(value: Any, limit: int = 80) -> str:
 
 
 def closest(name: str, choices: Iterable[str]) -> str:
-    """' Did you mean 'x'?' for the choice nearest `name`, or '' when none is near."""
+    """The hint "did you mean 'x'?" for the choice nearest `name`; empty when none is near."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f"did you mean {match[0]!r}?" if match else ""
