@@ -22,7 +22,11 @@ from typing import Any, Callable
 
 import torch
 
-from .compat import release_cublas_workspaces, reset_generators_after_failed_capture
+from .compat import (
+    release_cublas_workspaces,
+    reset_generators_after_failed_capture,
+    stop_pool_allocation_after_failed_capture,
+)
 from .errors import CaptureError
 from .padding import PaddingTable
 from .pool import GraphPool, as_pool
@@ -154,6 +158,7 @@ class CaptureSession:
             graph.capture_end()
             release_cublas_workspaces()  # eager matmuls after this must not reuse the pool's
         except RuntimeError as e:
+            stop_pool_allocation_after_failed_capture(graph.pool())
             release_cublas_workspaces()
             reset_generators_after_failed_capture()
             raise CaptureError(
@@ -226,5 +231,6 @@ def abandon(graph: torch.cuda.CUDAGraph) -> None:
     try:
         graph.capture_end()
     except RuntimeError:
+        stop_pool_allocation_after_failed_capture(graph.pool())
         reset_generators_after_failed_capture()
     release_cublas_workspaces()

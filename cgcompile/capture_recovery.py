@@ -19,7 +19,11 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from .capture import CaptureSession, abandon, gc_paused
-from .compat import release_cublas_workspaces, reset_generators_after_failed_capture
+from .compat import (
+    release_cublas_workspaces,
+    reset_generators_after_failed_capture,
+    stop_pool_allocation_after_failed_capture,
+)
 from .passes import SplitGraph, SplitReason, is_floating, split_graph
 
 log = logging.getLogger(__name__)
@@ -92,8 +96,6 @@ class _NodeByNodeCapture(Interpreter):
         graph = torch.cuda.CUDAGraph()
         with self.session.on_capture_stream(), gc_paused():
             release_cublas_workspaces()
-            # Into the session's pool, as the failed capture did: a failed capture into a
-            # pool of its own trips the allocator's use count when the graph is freed.
             graph.capture_begin(pool=self.session.pool.handle, capture_error_mode=self.session.error_mode)
             try:
                 super().run_node(node)
@@ -103,6 +105,7 @@ class _NodeByNodeCapture(Interpreter):
             try:
                 graph.capture_end()
             except RuntimeError as e:
+                stop_pool_allocation_after_failed_capture(graph.pool())
                 reset_generators_after_failed_capture()
                 return f"{type(e).__name__}: {e}"
             finally:
