@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention_backend import call_without_cudnn_attention
-from .capture import CaptureSession, Mode, abandon, gc_paused
+from .capture import CaptureSession, Mode, gc_paused
 from .config import Config
 from .errors import CaptureError, expect
 from .split_ops import SplitOps
@@ -243,7 +243,7 @@ class BreakableRunner:
                         outputs = self._forward(*args, **kwargs)
                 except Exception:
                     if recorder.graph is not None:
-                        abandon(recorder.graph)
+                        self.session.abandon(recorder.graph)
                     raise
                 recorder.end_segment("the end of forward")
         finally:

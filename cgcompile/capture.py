@@ -22,11 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .compat import (
-    release_cublas_workspaces,
-    reset_generators_after_failed_capture,
-    stop_pool_allocation_after_failed_capture,
-)
+from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .errors import CaptureError
 from .padding import PaddingTable
 from .pool import GraphPool, as_pool
@@ -88,6 +84,7 @@ class CaptureSession:
         self.graphs_captured = 0
         self._pool = pool
         self._pool_given = pool is not None  # a shared pool outlives clear()
+        self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
         # Outputs of graphs captured in the current call, by (address, padded shape,
@@ -117,8 +114,36 @@ class CaptureSession:
         return self._stream
 
     def graph_memory(self) -> int:
-        """Bytes the pool holds now (0 before anything was captured)."""
-        return self.pool.bytes_reserved() if self.graphs_captured else 0
+        """Bytes the pool holds now, with pools retired after a failed capture (0 before
+        anything was captured)."""
+        if not self.graphs_captured:
+            return 0
+        return sum(p.bytes_reserved() for p in (self.pool, *self._retired))
+
+    def abandon(self, graph: torch.cuda.CUDAGraph) -> None:
+        """End a capture that failed midway; later captures go to a new pool."""
+        try:
+            graph.capture_end()
+        except RuntimeError:
+            pass
+        self._after_failed_capture()
+
+    def _after_failed_capture(self) -> None:
+        """Leave the allocator and the generators usable, and retire the pool.
+
+        A failed capture leaves the pool marked as being captured into (on the host
+        allocator's side too), and the next capture into it would fail. The graphs
+        already in it keep replaying from it; new graphs go to a fresh pool, which
+        shares no memory with the old one, so no graph can overwrite another's data.
+        """
+        end_pool_allocation(self.pool.handle)
+        reset_generators_after_failed_capture()
+        release_cublas_workspaces()
+        if self._pool_given:
+            log.warning("cgcompile: a capture into the pool you passed failed; "
+                        "later graphs go to a pool of their own")
+        self._retired.append(self.pool)
+        self._pool, self._pool_given = GraphPool(), False
 
     def register(self, runner) -> None:
         self._runners.append(weakref.ref(runner))
@@ -158,9 +183,7 @@ class CaptureSession:
             graph.capture_end()
             release_cublas_workspaces()  # eager matmuls after this must not reuse the pool's
         except RuntimeError as e:
-            stop_pool_allocation_after_failed_capture(graph.pool())
-            release_cublas_workspaces()
-            reset_generators_after_failed_capture()
+            self._after_failed_capture()
             raise CaptureError(
                 f"capturing {name} failed at the end of capture: {e}. If {name} forks work onto a "
                 f"side stream, join it before the piece ends or the next break "
@@ -187,7 +210,7 @@ class CaptureSession:
                 args = make_args()
                 outputs = fn(*args)
             except Exception as e:
-                abandon(graph)
+                self.abandon(graph)
                 raise CaptureError(f"capturing {name} failed: {e}") from e
             self.end_graph(graph, name)
         return graph, args, outputs
@@ -199,6 +222,7 @@ class CaptureSession:
             if runner is not None:
                 runner.clear()
         self.live_outputs.clear()
+        self._retired.clear()
         if not self._pool_given:
             self._pool = None
         torch.cuda.synchronize()
@@ -224,13 +248,3 @@ def gc_paused():
         yield
     finally:
         gc.enable()
-
-
-def abandon(graph: torch.cuda.CUDAGraph) -> None:
-    """End a capture that failed midway, leaving the generators usable."""
-    try:
-        graph.capture_end()
-    except RuntimeError:
-        stop_pool_allocation_after_failed_capture(graph.pool())
-        reset_generators_after_failed_capture()
-    release_cublas_workspaces()

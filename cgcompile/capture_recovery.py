@@ -18,12 +18,8 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from .capture import CaptureSession, abandon, gc_paused
-from .compat import (
-    release_cublas_workspaces,
-    reset_generators_after_failed_capture,
-    stop_pool_allocation_after_failed_capture,
-)
+from .capture import CaptureSession, gc_paused
+from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .passes import SplitGraph, SplitReason, is_floating, split_graph
 
 log = logging.getLogger(__name__)
@@ -93,19 +89,21 @@ class _NodeByNodeCapture(Interpreter):
         return result
 
     def _capture_alone(self, node: Node) -> str | None:
-        graph = torch.cuda.CUDAGraph()
+        # Each try captures into a pool of its own, dropped afterwards: a failed capture
+        # leaves its pool unusable (see `CaptureSession.abandon`).
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         with self.session.on_capture_stream(), gc_paused():
             release_cublas_workspaces()
-            graph.capture_begin(pool=self.session.pool.handle, capture_error_mode=self.session.error_mode)
+            graph.capture_begin(pool=pool, capture_error_mode=self.session.error_mode)
             try:
                 super().run_node(node)
-            except Exception as e:  # noqa: BLE001 - any failure under capture is the answer
-                abandon(graph)
-                return f"{type(e).__name__}: {e}"
-            try:
                 graph.capture_end()
-            except RuntimeError as e:
-                stop_pool_allocation_after_failed_capture(graph.pool())
+            except Exception as e:  # noqa: BLE001 - any failure under capture is the answer
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                end_pool_allocation(pool)
                 reset_generators_after_failed_capture()
                 return f"{type(e).__name__}: {e}"
             finally:

@@ -44,25 +44,15 @@ def release_cublas_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
-def stop_pool_allocation_after_failed_capture(pool) -> None:
-    """A capture whose cudaStreamEndCapture fails leaves the caching allocator sending the
-    capture stream's allocations to the graph's pool (torch ends that only after a
-    successful end) and the pool's use count raised. End both, where capture_end did not."""
-    device = torch.cuda.current_device()
+def end_pool_allocation(pool) -> None:
+    """After a capture whose cudaStreamEndCapture failed: torch ends the allocator's
+    routing of allocations to the pool only after a successful end, so end it here. The
+    pool keeps a capture's bookkeeping on the host side that no public call ends: never
+    capture into a pool again after a failed capture into it (`CaptureSession.abandon`)."""
     try:
-        torch._C._cuda_endAllocateToPool(device, pool)
-    except RuntimeError:
-        return  # capture_end got past that point itself; the graph's reset releases the pool
-    torch._C._cuda_releasePool(device, pool)
-
-
-def new_memory_pool():
-    """A pool id that stays valid while the returned owner lives, whether or not any graph
-    uses it: `torch.cuda.MemPool` holds a use count, so dropping every graph of a pool
-    while its tensors are still alive cannot leave the allocator a pool with none, which
-    the next capture into it would trip over."""
-    owner = torch.cuda.MemPool()
-    return owner, owner.id
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+    except (RuntimeError, AttributeError):
+        pass  # capture_end got past that point itself, or this torch names it otherwise
 
 
 def reset_generators_after_failed_capture() -> None:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .compat import new_memory_pool
-
 
 class GraphPool:
     """Owns one CUDA graph pool handle; pass it to other graph users to share memory."""
 
     def __init__(self, device: torch.device | int | None = None):
         self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index or 0)
-        self._owner, self.handle = new_memory_pool()
+        self.handle = torch.cuda.graph_pool_handle()
 
     def bytes_reserved(self) -> int:
         """Bytes of device memory the pool holds now (its segments, used or cached)."""
@@ -34,7 +32,6 @@ def as_pool(pool) -> GraphPool | None:
     if pool is None or isinstance(pool, GraphPool):
         return pool
     wrapped = GraphPool.__new__(GraphPool)
-    wrapped._owner = None  # the caller keeps its pool alive
     wrapped.device = torch.device("cuda", torch.cuda.current_device())
     wrapped.handle = tuple(pool)
     return wrapped
