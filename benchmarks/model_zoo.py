@@ -378,6 +378,7 @@ def run_model(arch: Arch, options: Options) -> list[Row]:
     except Exception as e:
         for row in rows:
             row.error = f"build: {describe(e)}"
+            judge(row, options)
         return rows
     backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES))
     targets = compile_targets(arch, model)

@@ -1,0 +1,128 @@
+"""benchmarks/model_zoo.py: a CPU subset of the zoo, its failure reporting, --list; the whole zoo on a GPU.
+
+The CPU subset is one architecture of each kind at the smallest sizes, with
+compiler="eager" (pieces run as FX code: the split is the same as with Inductor, and
+Inductor's C++ compiles would take minutes on CI's two cores).
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ZOO_PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "model_zoo.py"
+
+
+def load_zoo():
+    spec = importlib.util.spec_from_file_location("model_zoo", ZOO_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there (Python 3.12)
+    spec.loader.exec_module(module)
+    return module
+
+
+zoo = load_zoo()
+CPU = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(1,), encoder_sizes=(1, 3))
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "bert", "vit", "t5"])
+def test_cpu_subset_matches_eager(name):
+    rows = zoo.run_zoo([name], CPU)
+    assert [row.size for row in rows] == list(zoo.sizes(zoo.BY_NAME[name], CPU))
+    for row in rows:
+        assert (row.status, row.error) == ("ok", None), row.note
+        assert row.max_err <= 1e-4
+        if row.tokens_total is not None:
+            assert row.tokens_equal == row.tokens_total == row.size * CPU.new_tokens
+        # Attention split the graph: some pieces run eagerly, the others are capturable.
+        assert 0 < row.capturable < row.pieces
+        assert row.graphs_captured == 0  # no CUDA graphs on CPU
+
+
+def test_left_padded_batch_matches_eager():
+    options = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(3,))
+    [row] = zoo.run_zoo(["qwen2"], options)
+    assert (row.status, row.tokens_equal, row.tokens_total) == ("ok", 24, 24), row.note
+
+
+def test_a_failing_model_is_a_row_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
+    build = zoo.build
+
+    def build_or_fail(arch, options):
+        if arch.name == "bert":
+            raise RuntimeError("no bert today\nsecond line")
+        return build(arch, options)
+
+    monkeypatch.setattr(zoo, "build", build_or_fail)
+    out = tmp_path / "zoo.json"
+    assert zoo.main(["--device", "cpu", "--models", "bert,distilbert", "--json", str(out)]) == 1
+    rows = {(row["model"], row["size"]): row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [(name, size) for name in ("bert", "distilbert") for size in (1, 3, 8)]
+    assert rows["bert", 1]["status"] == "FAIL"
+    assert rows["bert", 1]["error"] == "build: RuntimeError: no bert today"
+    assert all(rows["distilbert", size]["status"] == "ok" for size in (1, 3, 8))
+    assert "FAIL bert size 1: build: RuntimeError: no bert today" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "fields, note",
+    [
+        (dict(max_err=2e-4), "max err 2.00e-04 > 0.0001"),
+        (dict(max_err=float("nan")), "max err nan > 0.0001"),
+        (dict(max_err=0.0, tokens_equal=31, tokens_total=32), "tokens 31/32 equal eager's"),
+        (dict(error="CaptureError: capturing graph0.piece_2 failed"), "CaptureError: capturing graph0.piece_2 failed"),
+    ],
+)
+def test_judge_fails_a_row(fields, note):
+    row = zoo.Row("llama", "decoder", 1, **fields)
+    zoo.judge(row, zoo.Options())
+    assert (row.status, row.note) == ("FAIL", note)
+
+
+def test_judge_lets_bfloat16_tokens_part_ways():
+    row = zoo.Row("llama", "decoder", 1, max_err=1e-2, tokens_equal=20, tokens_total=32)
+    zoo.judge(row, zoo.Options(dtype=torch.bfloat16))
+    assert row.status == "ok"
+
+
+def test_list_names_every_architecture():
+    result = subprocess.run([sys.executable, str(ZOO_PATH), "--list"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    names = [line.split()[0] for line in result.stdout.splitlines()]
+    assert names == [arch.name for arch in zoo.ARCHS]
+    kinds = {arch.kind for arch in zoo.ARCHS}
+    assert len(names) >= 22 and kinds == {"decoder", "moe", "encoder", "vision", "seq2seq"}
+
+
+def test_unknown_model_name_is_a_usage_error():
+    with pytest.raises(SystemExit) as exit_info:
+        zoo.parse_args(["--models", "llama,gpt5"])
+    assert exit_info.value.code == 2
+
+
+def test_speed_columns_at_batch_1():
+    options = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(1,), encoder_sizes=(1,),
+                          speed=True, rounds=2)
+    rows = zoo.run_zoo(["gpt2", "distilbert"], options)
+    for row in rows:
+        assert row.status == "ok", row.note  # and no Dynamo graph compiled while timing
+        assert math.isfinite(row.eager_ms) and math.isfinite(row.cgcompile_ms)
+    # A decode step's time is a difference of two generate() times, which noise on a busy
+    # CI host can make negative; a forward's time cannot be.
+    assert rows[1].eager_ms > 0 and rows[1].cgcompile_ms > 0
+    assert "x" in zoo.HEADER.split() and len(zoo.format_row(rows[0])) <= zoo.TABLE_WIDTH
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", [arch.name for arch in zoo.ARCHS])
+def test_zoo_on_cuda_in_float32(name):
+    rows = zoo.run_zoo([name], zoo.Options(device="cuda", compiler="inductor"))
+    failed = [f"size {row.size}: {row.note}" for row in rows if row.status == "FAIL"]
+    assert not failed, "\n".join(failed)
+    assert all(row.graphs_captured > 0 for row in rows if row.status == "ok")
