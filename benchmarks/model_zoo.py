@@ -27,9 +27,11 @@ With capture sizes (1, 2, 4, 8, 16), 3 is a non-capture size (on CUDA it runs pa
 
 A model that fails is a row with its error (class and first line); the run goes on and exits
 non-zero at the end. Architectures missing from the installed transformers are skipped.
+--json writes the rows (and the wall time of each) after every row. The piece compiler is
+Inductor on CUDA and "eager" (pieces run as FX code, the same split) on CPU unless --compiler says.
 
     python benchmarks/model_zoo.py --list
-    python benchmarks/model_zoo.py --device cpu --compiler eager --models llama,bert
+    python benchmarks/model_zoo.py --device cpu --models llama,bert      # names, or kinds: --models moe,vision
     python benchmarks/model_zoo.py --device cuda --json zoo_fp32.json                       # correctness
     python benchmarks/model_zoo.py --device cuda --dtype bfloat16 --speed --json zoo_bf16.json
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import platform
 import statistics
@@ -72,13 +75,20 @@ _SEQ2SEQ = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2
                 bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
 
 
+KINDS = ("decoder", "moe", "encoder", "vision", "seq2seq")
+_AUTO = {"decoder": "AutoModelForCausalLM", "moe": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM"}
+_INPUTS = {"decoder": "prompt", "moe": "prompt", "seq2seq": "text", "encoder": "text", "vision": "pixels"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """One zoo entry: a transformers config class, its tiny fields, and how to run it.
 
     kind: "decoder" or "moe" (generate()), "seq2seq" (generate() with an encoder),
-        "encoder" (forward on token ids) or "vision" (forward on pixel values).
-    auto: the transformers Auto class that builds the model from the config.
+        "encoder" or "vision" (one forward).
+    auto: the transformers Auto class that builds the model from the config (default by kind).
+    inputs: a key of INPUTS (default by kind): "prompt" (left-padded token ids), "text"
+        (right-padded token ids), "pixels" or "audio" (Whisper's mel features).
     """
 
     name: str
@@ -86,14 +96,19 @@ class Arch:
     config: str
     kwargs: dict
     auto: str = ""
+    inputs: str = ""
 
     @property
     def auto_class(self) -> str:
-        return self.auto or {"decoder": "AutoModelForCausalLM", "moe": "AutoModelForCausalLM",
-                             "seq2seq": "AutoModelForSeq2SeqLM"}.get(self.kind, "AutoModel")
+        return self.auto or _AUTO.get(self.kind, "AutoModel")
+
+    @property
+    def input_kind(self) -> str:
+        return self.inputs or _INPUTS[self.kind]
 
     @property
     def is_lm(self) -> bool:
+        """Runs through generate() (else one forward)."""
         return self.kind in ("decoder", "moe", "seq2seq")
 
 
@@ -164,7 +179,7 @@ ARCHS = [
     Arch("bart", "seq2seq", "BartConfig", _SEQ2SEQ | dict(max_position_embeddings=64, forced_eos_token_id=None)),
     Arch("whisper", "seq2seq", "WhisperConfig", _SEQ2SEQ | dict(
         num_mel_bins=16, max_source_positions=16, max_target_positions=64, suppress_tokens=[],
-        begin_suppress_tokens=[]), auto="AutoModelForSpeechSeq2Seq"),
+        begin_suppress_tokens=[]), auto="AutoModelForSpeechSeq2Seq", inputs="audio"),
 ]
 BY_NAME = {arch.name: arch for arch in ARCHS}
 
@@ -210,6 +225,7 @@ class Row:
     tokens_total: int | None = None
     eager_ms: float | None = None  # per decode step (language models) or per forward
     cgcompile_ms: float | None = None
+    wall_s: float | None = None  # this row's eager and compiled runs (and timing), compiling included
     error: str | None = None  # the exception's class and first line
     note: str | None = None  # why the row failed, or was skipped
 
@@ -235,24 +251,35 @@ def build(arch: Arch, options: Options) -> torch.nn.Module:
     return model
 
 
-def make_inputs(arch: Arch, config, size: int, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Seeded inputs for `size` items: token ids with a padding mask, pixels or mel features."""
-    generator = torch.Generator().manual_seed(size)
-    if arch.kind == "vision":
-        shape = (size, config.num_channels, config.image_size, config.image_size)
-        return {"pixel_values": torch.randn(shape, generator=generator).to(device, dtype)}
-    if arch.config == "WhisperConfig":  # the encoder takes exactly 2 * max_source_positions frames
-        shape = (size, config.num_mel_bins, 2 * config.max_source_positions)
-        return {"input_features": torch.randn(shape, generator=generator).to(device, dtype)}
-    length = PROMPT_LEN if arch.kind in ("decoder", "moe") else TEXT_LEN
+def padding_mask(size: int, length: int, left: bool) -> torch.Tensor:
+    """[size, length]: row i has i pad positions (0), on the left or on the right."""
+    positions, pads = torch.arange(length), torch.arange(size)[:, None]
+    return (positions >= pads if left else positions < length - pads).long()
+
+
+def token_inputs(config, size: int, length: int, left: bool, generator) -> dict[str, torch.Tensor]:
     ids = torch.randint(3, config.vocab_size, (size, length), generator=generator)
-    mask = torch.ones_like(ids)
-    for row in range(size):  # row i has i pad tokens: left of a prompt, right of an encoder's input
-        if arch.kind in ("decoder", "moe"):
-            mask[row, :row] = 0
-        else:
-            mask[row, length - row:] = 0
-    return {"input_ids": ids.masked_fill(mask == 0, 0).to(device), "attention_mask": mask.to(device)}
+    mask = padding_mask(size, length, left)
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+INPUTS = {
+    # A language model's prompt, left-padded as generate() expects.
+    "prompt": lambda config, size, g: token_inputs(config, size, PROMPT_LEN, True, g),
+    # An encoder's token ids, right-padded.
+    "text": lambda config, size, g: token_inputs(config, size, TEXT_LEN, False, g),
+    "pixels": lambda config, size, g: {"pixel_values": torch.randn(
+        (size, config.num_channels, config.image_size, config.image_size), generator=g)},
+    # Whisper's encoder takes exactly 2 * max_source_positions frames.
+    "audio": lambda config, size, g: {"input_features": torch.randn(
+        (size, config.num_mel_bins, 2 * config.max_source_positions), generator=g)},
+}
+
+
+def make_inputs(arch: Arch, config, size: int, options: Options) -> dict[str, torch.Tensor]:
+    """Seeded inputs for `size` items on the device; floating-point ones in the dtype."""
+    inputs = INPUTS[arch.input_kind](config, size, torch.Generator().manual_seed(size))
+    return {k: v.to(options.device, dtype=options.dtype if v.is_floating_point() else None) for k, v in inputs.items()}
 
 
 # -- run eager and compiled ---------------------------------------------------------------
@@ -384,29 +411,44 @@ def run_model(arch: Arch, options: Options) -> list[Row]:
     targets = compile_targets(arch, model)
     forwards = [torch.compile(m.forward, backend=backend) for m in targets]
     for row in rows:
-        run_size(arch, model, row, backend, targets, forwards, options)
+        start = time.perf_counter()
+        try:
+            inputs = make_inputs(arch, model.config, row.size, options)
+            check(arch, model, inputs, row, targets, forwards, options)
+            if options.speed and row.size == 1:
+                time_row(arch, model, inputs, row, backend, targets, forwards, options)
+        except Exception as e:
+            traceback.print_exc()
+            row.error = describe(e)
+        row.wall_s = time.perf_counter() - start
+        record_stats(row, backend.stats)
+        judge(row, options)
+    release()
     return rows
 
 
-def run_size(arch: Arch, model, row: Row, backend, targets, forwards, options: Options) -> None:
-    """Eager, then compiled, at row.size; the comparison, the stats and (batch 1) the timing."""
-    try:
-        inputs = make_inputs(arch, model.config, row.size, options.device, options.dtype)
-        expected = run(arch, model, inputs, options.new_tokens)
-        with compiled(targets, forwards):
-            got = run(arch, model, inputs, options.new_tokens)
-        result = compare(arch, got, expected)
-        row.max_err, row.tokens_equal, row.tokens_total = result.max_err, result.tokens_equal, result.tokens_total
-        if options.speed and row.size == 1:
-            graphs_before = backend.stats.graphs_seen
-            row.eager_ms, row.cgcompile_ms = time_eager_and_compiled(arch, model, inputs, targets, forwards, options)
-            if backend.stats.graphs_seen != graphs_before:
-                row.note = f"Dynamo compiled {backend.stats.graphs_seen - graphs_before} graph(s) while timing"
-    except Exception as e:
-        traceback.print_exc()
-        row.error = describe(e)
-    record_stats(row, backend.stats)
-    judge(row, options)
+def check(arch: Arch, model, inputs: dict, row: Row, targets, forwards, options: Options) -> None:
+    """Eager, then compiled, on the same inputs; their difference goes into the row."""
+    expected = run(arch, model, inputs, options.new_tokens)
+    with compiled(targets, forwards):
+        got = run(arch, model, inputs, options.new_tokens)
+    result = compare(arch, got, expected)
+    row.max_err, row.tokens_equal, row.tokens_total = result.max_err, result.tokens_equal, result.tokens_total
+
+
+def time_row(arch: Arch, model, inputs: dict, row: Row, backend, targets, forwards, options: Options) -> None:
+    graphs_before = backend.stats.graphs_seen
+    row.eager_ms, row.cgcompile_ms = time_eager_and_compiled(arch, model, inputs, targets, forwards, options)
+    if backend.stats.graphs_seen != graphs_before:  # the timing would include compiling
+        row.note = f"Dynamo compiled {backend.stats.graphs_seen - graphs_before} graph(s) while timing"
+
+
+def release() -> None:
+    """Drop the compiled frames (and with them the model's graphs and pool) before the next model."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def record_stats(row: Row, stats: cgcompile.BackendStats) -> None:
@@ -491,6 +533,9 @@ def print_report(rows: list[Row]) -> None:
     print(f"\n{len(models)} models, {len(rows)} rows: {len(rows) - len(failed)} passed or skipped, {len(failed)} failed")
     for row in failed:
         print(f"FAIL {row.model} size {row.size}: {row.note}")
+    slower = [row.model for row in rows if row.eager_ms and row.cgcompile_ms and row.cgcompile_ms > row.eager_ms]
+    if slower:
+        print(f"slower than eager at batch 1 (not a failure): {', '.join(slower)}")
 
 
 def environment(options: Options) -> dict:
@@ -515,18 +560,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default=None,
                         help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
-    parser.add_argument("--models", default=None, help="comma-separated names (default: all; see --list)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated names (see --list) or kinds {KINDS}; default: all")
     parser.add_argument("--speed", action="store_true", help="time batch 1 against eager (use --dtype bfloat16)")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds with --speed")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
     args = parser.parse_args(argv)
-    args.names = args.models.split(",") if args.models else [arch.name for arch in ARCHS]
-    unknown = [name for name in args.names if name not in BY_NAME]
-    if unknown:
-        parser.error(f"--models: unknown {unknown}; --list shows the names")
+    try:
+        args.names = select(args.models.split(",") if args.models else list(KINDS))
+    except KeyError as e:
+        parser.error(f"--models: unknown {e.args[0]!r}; expected names from --list or kinds {KINDS}")
     return args
+
+
+def select(words: list[str]) -> list[str]:
+    """Architecture names for a list of names and kinds, in the zoo's order, each once."""
+    for word in words:
+        if word not in BY_NAME and word not in KINDS:
+            raise KeyError(word)
+    return [arch.name for arch in ARCHS if arch.name in words or arch.kind in words]
 
 
 def options_from(args: argparse.Namespace) -> Options:
@@ -548,11 +602,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     options = options_from(args)
     transformers.logging.set_verbosity_error()  # config and generate() notes about random tiny models
-    print(environment(options), flush=True)
-    rows = run_zoo(args.names, options, on_row=lambda row: print(format_row(row), flush=True))
+    print(environment(options), HEADER, sep="\n", flush=True)
+    done = []
+
+    def on_row(row: Row) -> None:
+        print(format_row(row), flush=True)
+        done.append(row)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            write_json(args.json, done, options)
+
+    rows = run_zoo(args.names, options, on_row)
     print_report(rows)
     if args.json:
-        write_json(args.json, rows, options)
         print(f"wrote {args.json}")
     return 1 if any(row.status == "FAIL" for row in rows) else 0
 
