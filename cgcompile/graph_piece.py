@@ -211,7 +211,8 @@ class CudaGraphPiece(PieceRunner):
             if not isinstance(arg, torch.Tensor):
                 continue
             shape = _padded_shape(arg, dims, size)
-            if self.session.live_outputs.get(output_key(arg, shape)) is not None:
+            live = self.session.live_outputs.get(output_key(arg, shape)) is not None
+            if live and self.traced.has_layout(i, arg, size):
                 padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
                 in_place.add(i)
             else:

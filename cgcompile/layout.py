@@ -7,7 +7,9 @@ implementation promised at trace time: SDPA's CUDA kernels return heads-outer re
 where the meta function says rows-outer, for one. So the runners of compiled pieces
 hand every input that comes from an eager piece over in the traced layout: a graph's
 input buffers are allocated with the traced strides (replay copies into them anyway),
-and a call without graphs copies an input whose strides differ (counted in `copies`).
+a graph output is only read in place where its layout is the traced one (an eager op
+can return its input unchanged, whose layout its fake result need not have), and a
+call without graphs copies an input whose strides differ (counted in `copies`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class TracedLayout:
         if key not in self._cache:
             self._cache[key] = _evaluate(self._strides[index], self.symbol, size)
         return self._cache[key]
+
+    def has_layout(self, index: int, arg: torch.Tensor, size: int) -> bool:
+        """Whether `arg` already has input `index`'s traced layout (or that is unknown)."""
+        expected = self.strides(index, size)
+        return expected is None or _same_layout(arg, expected)
 
     def conform(self, args: Sequence, size: int) -> Sequence:
         """`args`, with every checked input whose layout differs copied into the traced one."""
