@@ -2,6 +2,10 @@
 
 `silly_attention` is a custom op that stands in for attention: it is split like
 attention (through `Config.splitting_ops` or `SILLY_OP`) and its result is exact.
+Three more split ops give the fuzzer (`cgcompile.fuzz`) the other shapes a split op's
+interface takes: a tuple (`silly_pair`, which also mixes rows as attention does), an
+argument written in place (`silly_accumulate`) and a transposed, non-contiguous result
+(`silly_transposed`). `FUZZ_SPLIT_OPS` lists all four.
 """
 
 from __future__ import annotations
@@ -20,6 +24,46 @@ def silly_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 @silly_attention.register_fake
 def _(q, k, v):
     return torch.empty_like(q)
+
+
+PAIR_OP = "cgcompile_testing::silly_pair"
+ACCUMULATE_OP = "cgcompile_testing::silly_accumulate"
+TRANSPOSED_OP = "cgcompile_testing::silly_transposed"
+FUZZ_SPLIT_OPS = (SILLY_OP, PAIR_OP, ACCUMULATE_OP, TRANSPOSED_OP)
+
+
+@torch.library.custom_op(PAIR_OP, mutates_args=())
+def silly_pair(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q * k, k minus its mean over rows): the second result mixes rows, as attention does."""
+    return q * k, k - k.mean(0, keepdim=True)
+
+
+@silly_pair.register_fake
+def _(q, k):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op(ACCUMULATE_OP, mutates_args=("acc",))
+def silly_accumulate(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """acc += sin(x), in place: a split op that writes into its argument."""
+    acc.add_(x.sin())
+
+
+@silly_accumulate.register_fake
+def _(acc, x):
+    return None
+
+
+@torch.library.custom_op(TRANSPOSED_OP, mutates_args=())
+def silly_transposed(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x) for x: [n, d], returned with strides (1, n): a fresh tensor, not contiguous."""
+    out = x.new_empty(x.shape[1], x.shape[0]).t()  # [n, d], column-major
+    return out.copy_(x.tanh())
+
+
+@silly_transposed.register_fake
+def _(x):
+    return x.new_empty(x.shape[1], x.shape[0]).t()
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,405 @@
+"""Differential fuzzer: random models from a grammar of real-model ops, compiled with
+cgcompile and compared with eager at sizes on and off the capture sizes.
+
+    python -m cgcompile.fuzz --cases 2000 --seed 0 [--compiler eager|inductor|both]
+                             [--device cpu|cuda] [--padding true|none|false]
+
+A case is one seed: `generate(seed)` builds a `Program` (a model written as Python
+source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles it with
+`cgcompile.Backend` and compares it with eager at a few sizes of the capture
+dimension (`case_sizes`: a capture size, one between capture sizes, one above the
+largest). A failure is shrunk (`shrink`: drop sizes and steps while it persists) and
+reported as a standalone script (`reproducer`); `run_campaign` groups failures into
+classes by the productions their shrunk programs keep.
+
+Statuses: a compiled result that differs from eager beyond float reordering is a
+"mismatch"; an exception from the compiled model where eager ran is an "error"; an
+exception from eager is "invalid" (a generator bug). A difference where eager's own
+answer moves under a 1e-6 perturbation of the inputs (a near tie in a sort, an
+amplifying chain) is "unstable" and not counted as a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import math
+import random
+import sys
+import time
+import warnings
+from typing import Callable, Sequence
+
+import torch
+
+from .backend import Backend
+from .config import Config
+from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
+
+__all__ = ["PRODUCTIONS", "Program", "Setup", "Outcome", "Report", "generate", "source", "case_sizes",
+           "run_case", "compare", "shrink", "reproducer", "run_campaign", "main"]
+
+CAPTURE_SIZES = (1, 2, 4, 8)
+RTOL, ATOL = 1e-4, 1e-5  # ATOL against the output's largest |eager value|, at least 1
+
+
+# -- running a case --------------------------------------------------------------------------
+
+
+def case_sizes(seed: int) -> tuple[int, ...]:
+    """One capture size, one size between them, one above the largest; sometimes 1 last
+    (Dynamo compiles n=1 as a static graph of its own)."""
+    rng = random.Random(f"sizes-{seed}")
+    sizes = [rng.choice((3, 5, 6, 7)), rng.choice((2, 4, 8)), rng.choice((9, 11, 13, 16))]
+    rng.shuffle(sizes)
+    if rng.random() < 0.25:
+        sizes.append(1)
+    return tuple(sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """How a case is compiled and run: cgcompile's compiler, the device, `Config.padding`."""
+
+    compiler: str = "eager"
+    device: str = "cpu"
+    padding: bool | None = True
+
+    def config_source(self) -> str:
+        return (
+            f"cgcompile.Config(compiler={self.compiler!r}, capture_sizes={CAPTURE_SIZES}, "
+            f"padding={self.padding}, splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS)"
+        )
+
+    def config(self) -> Config:
+        from .testing import FUZZ_SPLIT_OPS
+
+        return Config(
+            compiler=self.compiler, capture_sizes=CAPTURE_SIZES, padding=self.padding, splitting_ops=FUZZ_SPLIT_OPS
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """status: "ok"; "mismatch" (compiled differs from eager); "error" (compiled raised
+    where eager did not); "unstable" (differs, but eager's own answer moves under a tiny
+    perturbation: not counted); "invalid" (eager raised: a bug of the generator)."""
+
+    status: str
+    size: int | None = None
+    detail: str = ""
+    graphs: int = 0  # Dynamo graphs the backend saw (1, plus 1 when n=1 ran)
+    padded: bool = False  # some graph ran padded to the capture sizes (`Piece.sizes`)
+
+    @property
+    def kind(self) -> str:
+        """What must stay the same while shrinking: the status, and an error's type."""
+        return self.detail.split(":", 1)[0] if self.status in ("error", "invalid") else self.status
+
+
+FAILURES = ("mismatch", "error", "invalid")
+
+
+def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
+    """Compile the program with cgcompile and compare it with eager at each size, in order."""
+    torch._dynamo.reset()
+    namespace = load(program)
+    torch.manual_seed(0)
+    model = namespace["Model"]().to(setup.device)
+    backend = Backend(setup.config())
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    names = [v.name for v in program.outputs]
+    outcome = Outcome("ok")
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in sizes:
+            outcome = _run_size(namespace["make_inputs"], model, compiled, n, setup.device, names)
+            if outcome.status != "ok":
+                break
+    padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
+    return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
+
+
+def _run_size(make_inputs, model, compiled, n: int, device: str, names) -> Outcome:
+    inputs = make_inputs(n, device)
+    try:
+        want = model(*inputs)
+    except Exception as e:  # the generator wrote a program eager rejects
+        return Outcome("invalid", n, _one_line(e))
+    try:
+        got = compiled(*inputs)
+    except Exception as e:
+        return Outcome("error", n, _one_line(e))
+    distance = error(got, want)
+    if distance <= 1:
+        return Outcome("ok")
+    status = "unstable" if distance <= 10 * _wobble(model, inputs, want) else "mismatch"
+    return Outcome(status, n, compare(got, want, names))
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _wobble(model, inputs, want) -> float:
+    """How far eager's own answer moves (in tolerances, as `error`) when the float inputs
+    move by a relative 1e-6: large for a near tie in a sort or an amplifying chain of
+    ops, where a reordering of float sums may legitimately move the answer as far."""
+    g = torch.Generator().manual_seed(1)
+    moves = []
+    for _ in range(2):
+        moved = [
+            t * (1 + 1e-6 * torch.randn(t.shape, generator=g).to(t.device)) if t.is_floating_point() else t
+            for t in inputs
+        ]
+        moves.append(error(model(*moved), want))
+    return max(moves)
+
+
+def error(got, want) -> float:
+    """How far the compiled outputs are from eager's, in tolerances: at most 1 is a match.
+    The tolerance of an entry is RTOL of its eager value plus ATOL of its output's
+    largest eager value (at least 1); a different shape, dtype, integer or NaN is inf."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        return math.inf
+    return max((_tensor_error(a, b) for a, b in zip(got, want)), default=0.0)
+
+
+def _tensor_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return math.inf
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if not b.is_floating_point():
+        return 0.0 if torch.equal(a, b) else math.inf
+    finite = b.isfinite() & a.isfinite()
+    if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()) or (a.isfinite() != b.isfinite()).any():
+        return math.inf  # NaN or inf where the other has none, or another infinity
+    if not finite.any():
+        return 0.0
+    a, b = a[finite].double(), b[finite].double()
+    scale = max(b.abs().max().item(), 1.0)
+    return ((a - b).abs() / (ATOL * scale + RTOL * b.abs())).max().item()
+
+
+def compare(got, want, names: Sequence[str]) -> str | None:
+    """None when the compiled outputs match eager's (`error` at most 1), else the first
+    output that differs, in words."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(want):
+        return f"returned {type(got).__name__} of {len(got) if isinstance(got, (tuple, list)) else 1}, eager {len(want)}"
+    for name, a, b in zip(names, got, want):
+        if _tensor_error(a, b) > 1:
+            return f"output {name}: {_describe_difference(a.detach().cpu(), b.detach().cpu())}"
+    return None
+
+
+def _describe_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{a.dtype}{list(a.shape)}, eager {b.dtype}{list(b.shape)}"
+    scale = max(b.nan_to_num(0, 0, 0).abs().max().item(), 1.0) if b.is_floating_point() else 0
+    bad = ~(torch.isclose(a, b, RTOL, ATOL * scale, equal_nan=True) if b.is_floating_point() else a == b)
+    first = tuple(i.item() for i in bad.nonzero()[0])
+    worst = f", max error {(a - b)[bad].abs().max().item():.3g}" if b.is_floating_point() else ""
+    return f"{bad.sum().item()} of {b.numel()} entries differ{worst}; first at {list(first)}: {a[first].item():.6g}, eager {b[first].item():.6g}"
+
+
+# -- shrinking and reproducers ---------------------------------------------------------------
+
+
+Check = Callable[[Program, tuple[int, ...]], Outcome]
+
+
+def shrink(program: Program, sizes: tuple[int, ...], outcome: Outcome, check: Check, budget_s: float = 60.0):
+    """Drop sizes, then steps, while `check` (`run_case` under one setup) still fails the
+    same way (`Outcome.kind`). Returns the smallest (program, sizes, outcome) found
+    within the time budget."""
+    deadline = time.monotonic() + budget_s
+
+    def still_fails(candidate: Program, candidate_sizes) -> Outcome | None:
+        if not candidate.steps or time.monotonic() > deadline:
+            return None
+        result = check(candidate, candidate_sizes)
+        return result if result.kind == outcome.kind else None
+
+    for fewer in _fewer_sizes(sizes, outcome.size):
+        result = still_fails(program, fewer)
+        if result:
+            sizes, outcome = fewer, result
+            break
+    changed = True
+    while changed:
+        changed = False
+        for i in reversed(range(len(program.steps))):
+            if i >= len(program.steps):  # an earlier drop took dependent steps with it
+                continue
+            candidate = program.without_step(i)
+            result = still_fails(candidate, sizes)
+            if result:
+                program, outcome, changed = candidate, result, True
+    return program, sizes, outcome
+
+
+def _fewer_sizes(sizes: tuple[int, ...], failing: int | None) -> list[tuple[int, ...]]:
+    if failing is None or failing not in sizes:
+        return []
+    before = sizes[: sizes.index(failing) + 1]
+    options = [(failing,)] if failing > 1 else []
+    options += [(s, failing) for s in before[:-1]]
+    return [o for o in options if len(o) < len(sizes)]
+
+
+def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Outcome | None = None) -> str:
+    """A standalone script: the program's source, the compile call and the sizes."""
+    padding = {True: "true", None: "none", False: "false"}[setup.padding]
+    lines = [
+        f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
+        f"--compiler {setup.compiler} --device {setup.device} --padding {padding}",
+        f"# productions: {', '.join(program.productions)}",
+    ]
+    if outcome is not None and outcome.status != "ok":
+        lines.append(f"# {outcome.status} at n={outcome.size}: {outcome.detail}")
+    harness = [
+        "",
+        "",
+        f"model = Model().to({setup.device!r})",
+        f"config = {setup.config_source()}",
+        "compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)",
+        "with torch.no_grad():",
+        f"    for n in {tuple(sizes)}:",
+        f"        inputs = make_inputs(n, {setup.device!r})",
+        "        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4, equal_nan=True,",
+        "                                   msg=lambda m: f'n={n}: {m}')",
+        "print('ok')",
+    ]
+    return "\n".join(lines) + "\n" + HEADER + source(program) + "\n".join(harness) + "\n"
+
+
+# -- many cases: classes of failures ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FailureClass:
+    """Failures whose shrunk programs keep the same productions, failing the same way.
+
+    A later failure joins a class without being shrunk when its program contains all of
+    the class's productions and fails with the same kind: cheap, and rarely wrong."""
+
+    kind: str
+    productions: frozenset[str]
+    reproducer: str
+    detail: str
+    seeds: list[int] = dataclasses.field(default_factory=list)
+    compilers: set[str] = dataclasses.field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} [{', '.join(sorted(self.productions))}]"
+
+
+@dataclasses.dataclass
+class Report:
+    counts: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (compiler, status) -> cases
+    padded: int = 0  # cases in which some graph ran padded
+    classes: list[FailureClass] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> int:
+        return sum(c for (_, status), c in self.counts.items() if status in FAILURES)
+
+    def summary(self) -> str:
+        lines = []
+        for compiler in sorted({c for c, _ in self.counts}):
+            by_status = {s: c for (cc, s), c in self.counts.items() if cc == compiler}
+            total = sum(by_status.values())
+            detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
+            lines.append(f"compiler={compiler}: {total} cases: {detail}")
+        lines.append(f"padded in {self.padded} cases; {self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
+        for cls in self.classes:
+            seeds = ", ".join(map(str, cls.seeds[:10])) + (" ..." if len(cls.seeds) > 10 else "")
+            lines.append(f"  {cls.name}: {len(cls.seeds)} cases ({'/'.join(sorted(cls.compilers))}), seeds {seeds}")
+            lines.append(f"      {cls.detail}")
+        return "\n".join(lines)
+
+
+def run_campaign(
+    seeds: Sequence[int], setups: Sequence[Setup], *, shrink_budget_s: float = 60.0,
+    on_new_class: Callable[[FailureClass], None] = lambda cls: None,
+    on_case: Callable[[int, Setup, Outcome], None] = lambda seed, setup, outcome: None,
+) -> Report:
+    """Run every seed under every setup; shrink each failure unless a class claims it."""
+    report, start = Report(), time.monotonic()
+    for seed in seeds:
+        program, sizes = generate(seed), case_sizes(seed)
+        for setup in setups:
+            outcome = run_case(program, sizes, setup)
+            key = (setup.compiler, outcome.status)
+            report.counts[key] = report.counts.get(key, 0) + 1
+            report.padded += outcome.padded
+            on_case(seed, setup, outcome)
+            if outcome.status in FAILURES:
+                _classify(report, program, sizes, setup, outcome, shrink_budget_s, on_new_class)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _classify(report, program, sizes, setup, outcome, budget_s, on_new_class) -> None:
+    present = set(program.productions)
+    cls = next((c for c in report.classes if c.kind == outcome.kind and c.productions <= present), None)
+    if cls is None:
+        check = functools.partial(run_case, setup=setup)
+        small, small_sizes, small_outcome = shrink(program, sizes, outcome, check, budget_s)
+        cls = FailureClass(
+            outcome.kind, frozenset(small.productions), reproducer(small, small_sizes, setup, small_outcome),
+            f"n={small_outcome.size}: {small_outcome.detail}",
+        )
+        report.classes.append(cls)
+        on_new_class(cls)
+    cls.seeds.append(program.seed)
+    cls.compilers.add(setup.compiler)
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cgcompile.fuzz", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0, help="first seed; case i runs seed + i")
+    parser.add_argument("--compiler", choices=("eager", "inductor", "both"), default="eager")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--padding", choices=("true", "none", "false"), default="true")
+    parser.add_argument("--shrink-budget", type=float, default=60.0, help="seconds to shrink each new class")
+    parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
+    args = parser.parse_args(argv)
+    seeds = range(args.seed, args.seed + args.cases)
+    if args.show:
+        for seed in seeds:
+            print(reproducer(generate(seed), case_sizes(seed), _setups(args)[0]))
+        return 0
+    logging.getLogger("cgcompile").setLevel(logging.ERROR)  # "no capturable piece" etc.
+    report = run_campaign(seeds, _setups(args), shrink_budget_s=args.shrink_budget,
+                          on_new_class=_print_class, on_case=_print_progress)
+    print(report.summary())
+    return 1 if report.failures else 0
+
+
+def _setups(args) -> list[Setup]:
+    padding = {"true": True, "none": None, "false": False}[args.padding]
+    compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
+    return [Setup(c, args.device, padding) for c in compilers]
+
+
+def _print_class(cls: FailureClass) -> None:
+    print(f"\n=== new failure class: {cls.name}\n{cls.reproducer}", flush=True)
+
+
+def _print_progress(seed: int, setup: Setup, outcome: Outcome) -> None:
+    if outcome.status != "ok":
+        print(f"seed {seed} ({setup.compiler}): {outcome.status} at n={outcome.size}: {outcome.detail}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

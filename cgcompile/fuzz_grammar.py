@@ -1,0 +1,873 @@
+"""The fuzzer's programs: random models written as Python source, from a grammar of
+the ops real models use (`PRODUCTIONS`), each production a small function.
+
+A `Program` is straight-line code over tensors whose shapes are known symbolically
+(`N` marks the capture dimension, always dim 0). `generate(seed)` grows one with
+`_Builder`: each step picks a production by weight, the production picks the tensors
+it needs (`_Builder.pick`, preferring recent ones so programs form chains), emits its
+lines and defines new tensors, or raises `Skip` when nothing fits. `source(program)`
+renders the module `cgcompile.fuzz` executes and prints as a reproducer.
+
+The rules that keep eager's answer well defined, so any difference is cgcompile's:
+  - no ties where order matters: inputs and parameters are random floats, sorts are
+    stable and argmax returns the first maximum everywhere; topk returns values only;
+  - in-place writes only into intermediates, never into an input or parameter (or a
+    view of one), never through a tensor a `reshape` may or may not alias
+    (`_Builder.mutate`), and never with an operand that aliases the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+from typing import Callable, Sequence
+
+N = "n"  # the capture dimension in a `Var`'s shape
+DIMS = (8, 12, 16, 24, 32)
+MAX_DIM = 48
+
+
+# -- the program ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """A tensor of the program. shape: ints and N; bound: index values lie in [0, bound)."""
+
+    name: str
+    shape: tuple[int | str, ...]
+    base: str  # the tensor whose storage it views: its own name when fresh
+    bound: int | str | None = None  # set for index (int64) tensors only
+
+    @property
+    def is_index(self) -> bool:
+        return self.bound is not None
+
+    @property
+    def rows(self) -> bool:
+        """Dim 0 is the capture dimension."""
+        return bool(self.shape) and self.shape[0] == N
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    name: str
+    init: str  # an expression over `g`, the model's seeded generator
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one production emitted: source lines and the tensors they read and write."""
+
+    production: str
+    lines: tuple[str, ...]
+    reads: frozenset[str]
+    mutates: frozenset[str]  # bases written in place
+    defines: tuple[Var, ...]
+    params: tuple[Param, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    seed: int
+    inputs: tuple[Var, ...]  # x first: the capture dimension is its dim 0
+    steps: tuple[Step, ...]
+
+    @property
+    def productions(self) -> tuple[str, ...]:
+        return tuple(step.production for step in self.steps)
+
+    @property
+    def outputs(self) -> tuple[Var, ...]:
+        """Every tensor that no step reads after its last write (its definition or an
+        in-place write into its storage): so every step's work reaches an output."""
+        def last(v: Var, touches: Callable[[Step], bool]) -> int:
+            return max((i for i, s in enumerate(self.steps) if touches(s)), default=-1)
+
+        defined = [v for s in self.steps for v in s.defines]
+        return tuple(
+            v for v in defined
+            if last(v, lambda s: v.name in s.reads) <= last(v, lambda s: v in s.defines or v.base in s.mutates)
+        )
+
+    def without_step(self, index: int) -> "Program":
+        """The program without step `index` and every step that reads what it defined."""
+        dropped = {v.name for v in self.steps[index].defines}
+        kept = []
+        for i, step in enumerate(self.steps):
+            if i == index or step.reads & dropped:
+                dropped |= {v.name for v in step.defines}
+                continue
+            kept.append(step)
+        return dataclasses.replace(self, steps=tuple(kept))
+
+    def used_inputs(self) -> tuple[Var, ...]:
+        read = set().union(*(s.reads for s in self.steps))
+        return tuple(v for i, v in enumerate(self.inputs) if i == 0 or v.name in read)
+
+
+# -- building a program: the builder the productions call ------------------------------------
+
+
+class Skip(Exception):
+    """A production does not apply to the program as it stands."""
+
+
+class _Builder:
+    """Grows one program. A production picks tensors, defines new ones and emits lines;
+    `run` commits its step, or discards it if the production raised `Skip`."""
+
+    def __init__(self, rng: random.Random, inputs: Sequence[Var]):
+        self.rng = rng
+        self.vars: list[Var] = list(inputs)
+        self.steps: list[Step] = []
+        self.immutable = {v.base for v in inputs}
+        self.ambiguous: set[str] = set()  # bases a reshape may or may not alias
+        self._names = itertools.count()
+        self._begin()
+
+    def run(self, name: str, fn: Callable[["_Builder"], None]) -> bool:
+        self._begin()
+        try:
+            fn(self)
+        except Skip:
+            return False
+        self.vars += self._defines
+        self.ambiguous |= self._ambiguous
+        self.steps.append(Step(name, tuple(self._lines), frozenset(self._reads), frozenset(self._mutates),
+                               tuple(self._defines), tuple(self._params)))
+        return True
+
+    def _begin(self) -> None:
+        """Start a step: what the production in progress has emitted so far."""
+        self._lines, self._defines, self._params = [], [], []
+        self._reads, self._mutates, self._ambiguous = set(), set(), set()
+
+    # -- for productions ------------------------------------------------------------------
+
+    def choice(self, options):
+        return self.rng.choice(list(options))
+
+    def pick(self, accept: Callable[[Var], bool] = lambda v: True, *, index: bool = False) -> Var:
+        """A tensor that `accept`s, preferring recent ones (so programs form chains)."""
+        pool = [v for v in self.vars + self._defines if v.is_index == index and accept(v)]
+        if not pool:
+            raise Skip
+        var = self.rng.choices(pool, weights=[(i + 1) ** 2 for i in range(len(pool))])[0]
+        self._reads.add(var.name)
+        return var
+
+    def param(self, init: str) -> str:
+        name = f"p{next(self._names)}"
+        self._params.append(Param(name, init))
+        return f"self.{name}"
+
+    def define(self, expr: str, shape, *, bound=None, view_of: Var | None = None, ambiguous=False) -> Var:
+        return self.define_many(expr, [(shape, bound)], view_of=view_of, ambiguous=ambiguous)[0]
+
+    def define_many(self, expr: str, specs, *, view_of: Var | None = None, ambiguous=False) -> list[Var]:
+        """`a, b = expr`, each spec a (shape, bound); outputs view `view_of` if given."""
+        out = []
+        for shape, bound in specs:
+            if any(isinstance(d, int) and d > MAX_DIM for d in shape):
+                raise Skip
+            name = f"{'i' if bound is not None else 't'}{next(self._names)}"
+            out.append(Var(name, tuple(shape), view_of.base if view_of else name, bound))
+        if ambiguous:
+            self._ambiguous.add(view_of.base)
+        comment = ", ".join(_describe(v) for v in out)
+        self._lines.append(f"{', '.join(v.name for v in out)} = {expr}  # {comment}")
+        self._defines += out
+        return out
+
+    def mutate(self, var: Var, line: str) -> None:
+        """Emit an in-place write into `var`. Allowed only where eager's answer is defined:
+        not into an input (or a view of one), not where a reshape may or may not alias."""
+        if var.is_index or var.base in self.immutable or var.base in self.ambiguous | self._ambiguous:
+            raise Skip
+        self._mutates.add(var.base)
+        self._reads.add(var.name)
+        self._lines.append(line)
+
+
+def _describe(var: Var) -> str:
+    shape = "[" + ", ".join(map(str, var.shape)) + "]"
+    return f"{shape} int < {var.bound}" if var.is_index else shape
+
+
+# -- the grammar -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Production:
+    """name: the function's; family: what kind of op (split productions may be forced at
+    a program's start and end); mixes_rows: some form of it lets a row's result depend
+    on other rows along the capture dimension, or on their number."""
+
+    name: str
+    family: str
+    weight: float
+    mixes_rows: bool
+    emit: Callable[[_Builder], None]
+
+
+PRODUCTIONS: list[Production] = []
+
+
+def production(family: str, weight: float = 1.0, mixes_rows: bool = False):
+    def register(fn):
+        PRODUCTIONS.append(Production(fn.__name__, family, weight, mixes_rows, fn))
+        return fn
+    return register
+
+
+def _nd(*ranks: int) -> Callable[[Var], bool]:
+    return lambda v: len(v.shape) in ranks
+
+
+def _rows(*ranks: int) -> Callable[[Var], bool]:
+    return lambda v: v.rows and (not ranks or len(v.shape) in ranks)
+
+
+def _int_last(v: Var) -> bool:
+    """The last dimension is a fixed size, not the capture dimension: parameters can be
+    shaped to it, and an op along it keeps rows apart."""
+    return bool(v.shape) and isinstance(v.shape[-1], int)
+
+
+def _same_shape(a: Var) -> Callable[[Var], bool]:
+    return lambda v: v.shape == a.shape
+
+
+def _vector(dim: int) -> str:
+    return f"torch.randn({dim}, generator=g) * 0.1"
+
+
+# elementwise
+
+
+@production("elementwise")
+def unary(g):
+    v = g.pick()
+    fn = g.choice(["torch.sin", "torch.relu", "F.silu", "torch.tanh", "torch.sigmoid"])
+    g.define(f"{fn}({v})", v.shape)
+
+
+@production("elementwise")
+def scale_shift(g):
+    v = g.pick(_int_last)
+    d = v.shape[-1]
+    if g.rng.random() < 0.5:
+        g.define(f"{v} * {g.param(f'1 + {_vector(d)}')} + {g.param(_vector(d))}", v.shape)
+    else:
+        g.define(f"{v} * {g.choice(['0.5', '-1.5', '2.0'])} + {g.choice(['0.25', '1.0', '-0.5'])}", v.shape)
+
+
+def _broadcasts_into(a: Var) -> Callable[[Var], bool]:
+    """b's shape broadcasts to a's without growing a: equal, or a row-free suffix."""
+    def accept(b):
+        if b.shape == a.shape:
+            return True
+        if N in b.shape or len(b.shape) > len(a.shape):
+            return False
+        tail = a.shape[len(a.shape) - len(b.shape):]
+        return all(db in (1, da) for db, da in zip(b.shape, tail))
+    return accept
+
+
+@production("elementwise", weight=2)
+def binary(g):
+    a = g.pick()
+    b = g.pick(_broadcasts_into(a))
+    g.define(f"{a} {g.choice('+-*')} {b}", a.shape)
+
+
+@production("elementwise")
+def where(g):
+    a = g.pick()
+    b = g.pick(_same_shape(a))
+    g.define(f"torch.where({a} > 0, {a}, {b} * 0.5)", a.shape)
+
+
+@production("elementwise")
+def clamp(g):
+    v = g.pick()
+    g.define(f"{v}.clamp({g.choice(['-0.5, 0.5', 'min=-1.0', 'max=0.75'])})", v.shape)
+
+
+@production("elementwise")
+def rms_norm(g):
+    v = g.pick(_int_last)
+    g.define(f"{v} * torch.rsqrt({v}.pow(2).mean(-1, keepdim=True) + 1e-6)", v.shape)
+
+
+@production("elementwise")
+def layer_norm(g):
+    v = g.pick(_int_last)
+    d = v.shape[-1]
+    weight = g.choice(["", f", {g.param(f'1 + {_vector(d)}')}"])
+    g.define(f"F.layer_norm({v}, ({d},){weight})", v.shape)
+
+
+# views of dimensions other than the capture dimension
+
+
+def _factor(d: int, rng) -> tuple[int, int] | None:
+    pairs = [(a, d // a) for a in range(2, d) if d % a == 0]
+    return rng.choice(pairs) if pairs else None
+
+
+@production("view")
+def unflatten(g):
+    v = g.pick(_rows(2))
+    pair = _factor(v.shape[1], g.rng)
+    if pair is None:
+        raise Skip
+    a, b = pair
+    form = g.choice([f"{v}.unflatten(-1, ({a}, {b}))", f"{v}.view(-1, {a}, {b})", f"{v}.reshape({v}.shape[0], {a}, {b})"])
+    g.define(form, (N, a, b), view_of=v, ambiguous="reshape" in form)
+
+
+@production("view", weight=3)
+def transpose(g):
+    v = g.pick(lambda v: len(v.shape) == 3 and v.rows or len(v.shape) == 2 and not v.rows)
+    if v.rows:
+        g.define(g.choice([f"{v}.transpose(1, 2)", f"{v}.permute(0, 2, 1)"]), (N, v.shape[2], v.shape[1]), view_of=v)
+    else:
+        g.define(f"{v}.t()", v.shape[::-1], view_of=v)
+
+
+@production("view", weight=4)
+def flatten(g):
+    v = g.pick(_rows(3))
+    form = g.choice([f"{v}.flatten(1)", f"{v}.reshape({v}.shape[0], -1)", f"{v}.flatten(-2)"])
+    g.define(form, (N, v.shape[1] * v.shape[2]), view_of=v, ambiguous=True)
+
+
+@production("view")
+def unsqueeze(g):
+    v = g.pick(_rows(2))
+    g.define(g.choice([f"{v}.unsqueeze(1)", f"{v}[:, None]"]), (N, 1, v.shape[1]), view_of=v)
+
+
+@production("view")
+def regroup_rows(g):
+    """Rows regrouped into more, shorter rows and back: [n, d] -> [n * d / b, b] -> [n, d]."""
+    v = g.pick(_rows(2))
+    pair = _factor(v.shape[1], g.rng)
+    if pair is None:
+        raise Skip
+    op = g.choice(["torch.softmax({}, dim=-1)", "{} * 2.0", "{}.cumsum(-1)"])
+    g.define(f"({op.format(f'{v}.reshape(-1, {pair[1]})')}).reshape({v}.shape)", v.shape)
+
+
+@production("view", mixes_rows=True)
+def flatten_rows(g):
+    """The capture dimension flattened with the others, an op over the whole, and back."""
+    v = g.pick(_rows())
+    op = g.choice(["torch.softmax({}, dim=0)", "{}.cumsum(0)", "{} - {}.mean()"])
+    flat = f"{v}.reshape(-1)"
+    g.define(f"({op.format(flat, flat)}).view_as({v})", v.shape)
+
+
+# matmul
+
+
+@production("matmul", weight=2)
+def linear(g):
+    v = g.pick(_int_last)
+    d, e = v.shape[-1], g.choice(DIMS[:4])
+    if g.rng.random() < 0.5:
+        w = g.param(f"torch.randn({d}, {e}, generator=g) / {math.sqrt(d):.4f}")
+        g.define(f"{v} @ {w}", v.shape[:-1] + (e,))
+    else:
+        w = g.param(f"torch.randn({e}, {d}, generator=g) / {math.sqrt(d):.4f}")
+        bias = g.param(_vector(e)) if g.rng.random() < 0.5 else "None"
+        g.define(f"F.linear({v}, {w}, {bias})", v.shape[:-1] + (e,))
+
+
+@production("matmul", weight=4)
+def matmul_matrix(g):
+    m = g.pick(lambda v: len(v.shape) == 2 and not v.rows)
+    v = g.pick(lambda v: len(v.shape) >= 1 and v.shape[-1] == m.shape[0])
+    g.define(f"{v} @ {m} / {m.shape[0]}", v.shape[:-1] + (m.shape[1],))
+
+
+@production("matmul", mixes_rows=True)
+def gram(g):
+    """A matmul that contracts the capture dimension: [n, d1]^T @ [n, d2] -> [d1, d2]."""
+    a = g.pick(_rows(2))
+    b = g.pick(_rows(2))
+    form = g.choice([f"{a}.t() @ {b}", f"{a}.transpose(0, 1) @ {b}", f"torch.mm({a}.T, {b})",
+                     f"torch.einsum('nd,ne->de', {a}, {b})"])
+    g.define(f"{form} / 16", (a.shape[1], b.shape[1]))
+
+
+@production("matmul", mixes_rows=True)
+def manual_attention(g):
+    """Attention written out, not split: scores [n, n] mix rows."""
+    q = g.pick(_rows(2))
+    k = g.pick(lambda v: _rows(2)(v) and v.shape == q.shape)
+    v = g.pick(_rows(2))
+    scale = 1 / math.sqrt(q.shape[1])
+    g.define(f"torch.softmax({q} @ {k}.t() * {scale:.4f}, dim=-1) @ {v}", v.shape)
+
+
+@production("matmul", mixes_rows=True)
+def conv_rows(g):
+    """A depthwise convolution along the tokens (as Mamba's), each row seeing its neighbours."""
+    v = g.pick(_rows(2))
+    d = v.shape[1]
+    w = g.param(f"torch.randn({d}, 1, 3, generator=g) / 3")
+    g.define(f"F.conv1d({v}.t().unsqueeze(0), {w}, padding=1, groups={d}).squeeze(0).t()", v.shape)
+
+
+# reductions
+
+
+_REDUCTIONS = {
+    "sum": "{v}.sum({dims}, keepdim={k})",
+    "mean": "{v}.mean({dims}, keepdim={k})",
+    "amax": "{v}.amax({dims}, keepdim={k})",
+    "var": "{v}.var({dims}, keepdim={k})",
+    "var0": "{v}.var({dims}, keepdim={k}, correction=0)",
+    "logsumexp": "torch.logsumexp({v}, {dims}, keepdim={k})",
+}
+
+
+def _reduce(g, v: Var, dims: tuple[int, ...]) -> None:
+    keep = g.rng.random() < 0.5
+    form = _REDUCTIONS[g.choice(_REDUCTIONS)]
+    dims_text = str(dims[0]) if len(dims) == 1 else str(dims)
+    wanted = {d % len(v.shape) for d in dims}
+    shape = tuple(1 if i in wanted else s for i, s in enumerate(v.shape) if keep or i not in wanted)
+    g.define(form.format(v=v, dims=dims_text, k=keep), shape)
+
+
+@production("reduction", mixes_rows=True)
+def reduce_rows(g):
+    _reduce(g, g.pick(_rows()), (0,))
+
+
+@production("reduction")
+def reduce_cols(g):
+    _reduce(g, g.pick(_int_last), (-1,))
+
+
+@production("reduction", mixes_rows=True)
+def reduce_multi(g):
+    v = g.pick(_nd(2, 3))
+    options = [(0, 1), (0, -1), (-1, -2)] + ([(1, 2), (0, 1, 2)] if len(v.shape) == 3 else [])
+    _reduce(g, v, g.choice(options))
+
+
+@production("reduction", mixes_rows=True)
+def norm_rows(g):
+    """Statistics over the batch: batch norm in training mode, normalizing over dim 0."""
+    v = g.pick(lambda v: v.rows and (len(v.shape) == 2 or len(v.shape) == 3 and v.shape[2] > 1))
+    form = [f"F.normalize({v}, dim=0)"] + ([f"F.batch_norm({v}, None, None, training=True)"] if len(v.shape) == 3 else [])
+    g.define(g.choice(form), v.shape)
+
+
+@production("reduction", mixes_rows=True)
+def max_rows(g):
+    v = g.pick(_rows())
+    fn = g.choice(["torch.max", "torch.min", "torch.median"])
+    g.define_many(f"{fn}({v}, dim=0)", [(v.shape[1:], None), (v.shape[1:], N)])
+
+
+# softmax and scans
+
+
+@production("softmax")
+def softmax_cols(g):
+    v = g.pick(_int_last)
+    g.define(g.choice([f"torch.softmax({v}, dim=-1)", f"F.log_softmax({v}, dim=-1)"]), v.shape)
+
+
+@production("softmax", mixes_rows=True)
+def softmax_rows(g):
+    v = g.pick(_rows())
+    forms = [f"torch.softmax({v}, dim=0)", f"F.log_softmax({v}, dim=0)"]
+    if len(v.shape) == 2:
+        forms.append(f"torch.softmax({v}.t(), dim=-1).t()")
+    g.define(g.choice(forms), v.shape)
+
+
+@production("scan", mixes_rows=True)
+def cumsum_rows(g):
+    v = g.pick(_rows())
+    g.define(g.choice([f"{v}.cumsum(0)", f"torch.cumsum({v}, dim=0)"]), v.shape)
+
+
+@production("scan")
+def cumsum_cols(g):
+    v = g.pick(_int_last)
+    g.define(f"{v}.cumsum(-1)", v.shape)
+
+
+# order: sort, topk, argmax
+
+
+@production("order")
+def sort_cols(g):
+    v = g.pick(_int_last)
+    descending = g.choice(["", ", descending=True"])
+    g.define_many(f"torch.sort({v}, dim=-1, stable=True{descending})", [(v.shape, None), (v.shape, v.shape[-1])])
+
+
+@production("order", mixes_rows=True)
+def sort_rows(g):
+    v = g.pick(_rows())
+    g.define_many(f"torch.sort({v}, dim=0, stable=True)", [(v.shape, None), (v.shape, N)])
+
+
+@production("order")
+def topk_cols(g):
+    v = g.pick(_int_last)
+    k = g.rng.randint(1, min(4, v.shape[-1]))
+    g.define(f"torch.topk({v}, {k}, dim=-1).values", v.shape[:-1] + (k,))
+
+
+@production("order", mixes_rows=True)
+def topk_rows(g):
+    v = g.pick(_rows())
+    g.define(f"torch.topk({v}, 1, dim=0).values", (1,) + v.shape[1:])
+
+
+@production("order")
+def argmax_cols(g):
+    v = g.pick(_int_last)
+    g.define(f"{v}.{g.choice(['argmax', 'argmin'])}(-1)", v.shape[:-1], bound=v.shape[-1])
+
+
+@production("order", mixes_rows=True)
+def argmax_rows(g):
+    v = g.pick(_rows())
+    g.define(f"{v}.argmax(0)", v.shape[1:], bound=N)
+
+
+@production("order", mixes_rows=True)
+def argsort_rows(g):
+    """A permutation of the rows, by one column (as tokens are sorted by expert)."""
+    _row_permutation(g)
+
+
+def _row_permutation(g) -> Var:
+    v = g.pick(_rows(2))
+    return g.define(f"torch.argsort({v}[:, {g.rng.randrange(v.shape[1])}], stable=True)", (N,), bound=N)
+
+
+# indexing
+
+
+@production("index", weight=2)
+def embedding(g):
+    i = g.pick(lambda i: isinstance(i.bound, int) and len(i.shape) <= 2, index=True)
+    e = g.choice(DIMS[:3])
+    table = g.param(f"torch.randn({i.bound}, {e}, generator=g)")
+    g.define(g.choice([f"F.embedding({i}, {table})", f"{table}[{i}]"]), i.shape + (e,))
+
+
+@production("index", weight=3)
+def gather_cols(g):
+    i = g.pick(lambda i: isinstance(i.bound, int) and len(i.shape) in (1, 2) and i.rows, index=True)
+    width = i.shape[1] if len(i.shape) == 2 else 1
+    v = g.pick(lambda v: _rows(2)(v) and isinstance(v.shape[1], int) and v.shape[1] >= i.bound)
+    index = f"{i}[:, :{min(width, 4)}]" if len(i.shape) == 2 else f"{i}.unsqueeze(-1)"
+    g.define(f"torch.gather({v}, -1, {index})", (N, min(width, 4)))
+
+
+@production("index", weight=4, mixes_rows=True)
+def index_rows(g):
+    """Rows picked by indices computed over rows (argmax over dim 0, a sort over dim 0)."""
+    i = g.pick(lambda i: i.bound == N and len(i.shape) <= 2, index=True)
+    v = g.pick(_rows(2))
+    if len(i.shape) == 2 and i.shape[1] <= v.shape[1] and g.rng.random() < 0.5:
+        g.define(f"torch.gather({v}, 0, {i}[:, :{i.shape[1]}])", (N, i.shape[1]))
+    else:
+        g.define(f"{v}[{i}]", i.shape + v.shape[1:])
+
+
+@production("index", mixes_rows=True)
+def index_add_rows(g):
+    """Rows scattered back by a permutation of the rows (as an MoE combines its experts'
+    outputs): the permutation is the one `argsort_rows` makes, or one made here."""
+    v = g.pick(_rows())
+    try:
+        i = g.pick(lambda i: i.bound == N and i.shape == (N,), index=True)
+    except Skip:
+        i = _row_permutation(g)
+    g.define(f"torch.zeros_like({v}).index_add_(0, {i}, {v})", v.shape)
+
+
+# cat, split, slices
+
+
+@production("cat")
+def cat_cols(g):
+    a = g.pick(lambda v: v.rows and len(v.shape) >= 2)
+    b = g.pick(lambda v: v.rows and len(v.shape) == len(a.shape) and v.shape[:-1] == a.shape[:-1])
+    g.define(f"torch.cat([{a}, {b}], dim=-1)", a.shape[:-1] + (a.shape[-1] + b.shape[-1],))
+
+
+@production("cat")
+def chunk(g):
+    v = g.pick(lambda v: _int_last(v) and v.shape[-1] % 2 == 0)
+    d = v.shape[-1]
+    if g.rng.random() < 0.5:
+        g.define_many(f"{v}.chunk(2, dim=-1)", [(v.shape[:-1] + (d // 2,), None)] * 2, view_of=v)
+    else:
+        k = g.rng.randint(1, d - 1)
+        g.define_many(f"torch.split({v}, [{k}, {d - k}], dim=-1)",
+                      [(v.shape[:-1] + (k,), None), (v.shape[:-1] + (d - k,), None)], view_of=v)
+
+
+@production("cat")
+def slice_cols(g):
+    v = g.pick(lambda v: len(v.shape) >= 2 and _int_last(v) and v.shape[-1] >= 4)
+    d = v.shape[-1]
+    k = g.rng.randint(1, d - 1)
+    form, width = g.choice([(f"{v}[..., :{k}]", k), (f"{v}[..., {k}:]", d - k), (f"{v}[..., ::2]", (d + 1) // 2)])
+    g.define(form, v.shape[:-1] + (width,), view_of=v)
+
+
+@production("cat", mixes_rows=True)
+def select_row(g):
+    """The first or last row (the last token's hidden state, as LM heads take it)."""
+    v = g.pick(_rows())
+    form, shape = g.choice([(f"{v}[0]", v.shape[1:]), (f"{v}[-1]", v.shape[1:]), (f"{v}[-1:]", (1,) + v.shape[1:])])
+    g.define(form, shape, view_of=v)
+
+
+@production("cat", mixes_rows=True)
+def shift_rows(g):
+    """A token shift: every row takes its neighbour's value, the edge a parameter's."""
+    v = g.pick(_rows(2))
+    edge = g.param(f"torch.randn(1, {v.shape[1]}, generator=g)")
+    g.define(g.choice([f"torch.cat([{edge}, {v}[:-1]], dim=0)", f"torch.cat([{v}[1:], {edge}], dim=0)",
+                       f"F.pad({v}, (0, 0, 1, 0))[:-1]", f"F.pad({v}[1:], (0, 0, 0, 1))"]), v.shape)
+
+
+@production("cat", mixes_rows=True)
+def flip_rows(g):
+    v = g.pick(_rows())
+    g.define(g.choice([f"{v}.flip(0)", f"{v}.roll(1, 0)", f"torch.roll({v}, -1, 0)"]), v.shape)
+
+
+@production("cat", mixes_rows=True)
+def halves_rows(g):
+    """The first half of the rows treated apart from the second: where it splits depends on n."""
+    v = g.pick(_rows())
+    half = f"{v}.shape[0] // 2"
+    g.define(f"torch.cat([{v}[:{half}] * 2.0, {v}[{half}:]], dim=0)", v.shape)
+
+
+# in-place updates of intermediates
+
+
+@production("inplace")
+def inplace_scale(g):
+    v = g.pick()
+    g.mutate(v, g.choice([f"{v}.mul_(2.0)", f"{v}.add_(0.5)", f"{v}.clamp_(-1.0, 1.0)", f"{v}.sin_()"]))
+
+
+@production("inplace")
+def inplace_slice(g):
+    v = g.pick(lambda v: len(v.shape) >= 2 and _int_last(v) and v.shape[-1] >= 2)
+    g.mutate(v, g.choice([f"{v}[..., :2] += 1.0", f"{v}[..., 1::2] *= 0.5", f"{v}[..., 0] = 0.0"]))
+
+
+@production("inplace")
+def inplace_add(g):
+    v = g.pick()
+    u = g.pick(lambda u: _broadcasts_into(v)(u) and u.base != v.base)
+    g.mutate(v, f"{v}.{g.choice(['add_', 'mul_'])}({u})")
+
+
+@production("inplace", mixes_rows=True)
+def inplace_row(g):
+    v = g.pick(_rows())
+    g.mutate(v, g.choice([f"{v}[0] += 1.0", f"{v}[-1] *= 0.5"]))
+
+
+# the capture size used as a value
+
+
+@production("size_value", mixes_rows=True)
+def size_value(g):
+    v = g.pick(_rows())
+    g.define(g.choice([f"{v} + {v}.shape[0]", f"{v} / {v}.size(0)", f"{v} * (1.0 / {v}.shape[0])"]), v.shape)
+
+
+@production("size_value")
+def arange_rows(g):
+    """Row positions: torch.arange(n), as position ids are built."""
+    v = g.pick(_rows())
+    ones = ", 1" * (len(v.shape) - 1)
+    pos = f"torch.arange({v}.shape[0], device={v}.device, dtype={v}.dtype).view(-1{ones})"
+    g.define(f"{v} + {pos} * 0.1", v.shape)
+
+
+@production("size_value")
+def rotary(g):
+    v = g.pick(_rows(2))
+    freq = g.param(f"torch.rand({v.shape[1]}, generator=g)")
+    angle = f"torch.arange({v}.shape[0], device={v}.device).float()[:, None] * {freq}"
+    g.define(f"{v} * torch.cos({angle}) + {v}.flip(-1) * torch.sin({angle})", v.shape)
+
+
+# custom split ops (cgcompile.testing)
+
+
+OPS = "torch.ops.cgcompile_testing"
+
+
+@production("split", weight=2)
+def split_attention(g):
+    q = g.pick(lambda v: len(v.shape) >= 1)
+    k = g.pick(_same_shape(q))
+    v = g.pick(_same_shape(q))
+    g.define(f"{OPS}.silly_attention({q}, {k}, {v})", q.shape)
+
+
+@production("split")
+def split_pair(g):
+    q = g.pick(lambda v: len(v.shape) >= 1)
+    k = g.pick(_same_shape(q))
+    g.define_many(f"{OPS}.silly_pair({q}, {k})", [(q.shape, None), (q.shape, None)])
+
+
+@production("split")
+def split_accumulate(g):
+    acc = g.pick(lambda v: len(v.shape) >= 1)
+    x = g.pick(lambda v: v.shape == acc.shape and v.base != acc.base)
+    g.mutate(acc, f"{OPS}.silly_accumulate({acc}, {x})")
+
+
+@production("split")
+def split_transposed(g):
+    v = g.pick(_nd(2))
+    g.define(f"{OPS}.silly_transposed({v})", v.shape)
+
+
+@production("split")
+def split_adjacent(g):
+    """Two split ops back to back, the second reading the first's non-contiguous result."""
+    v = g.pick(_nd(2))
+    t = g.define(f"{OPS}.silly_transposed({v})", v.shape)
+    g.define(f"{OPS}.silly_attention({t}, {v}, {t})", v.shape)
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+def _inputs(rng: random.Random) -> tuple[Var, ...]:
+    inputs = [Var("x", (N, rng.choice(DIMS)), "x")]
+    if rng.random() < 0.3:
+        inputs.append(Var("y", (N, rng.choice((4, 8, 12))), "y"))
+    if rng.random() < 0.4:
+        inputs.append(Var("ids", (N,), "ids", bound=rng.choice((16, 32))))
+    return tuple(inputs)
+
+
+MODES = ("any", "row_local", "one_mixing")  # and their odds below
+
+
+def generate(seed: int, max_steps: int = 10) -> Program:
+    """The program of a seed: deterministic, 3 to `max_steps` steps.
+
+    A program draws from every production ("any"), from those that keep rows apart
+    ("row_local": such a graph is padded, which exercises the padded runtime), or from
+    those plus one row-mixing production at a random step ("one_mixing": the one op the
+    padding-safety analysis must catch on its own). A split op may be forced first and last.
+    """
+    rng = random.Random(seed)
+    inputs = _inputs(rng)
+    builder = _Builder(rng, inputs)
+    length = rng.randint(3, max_steps)
+    mode = rng.choices(MODES, weights=(4, 3, 3))[0]
+    mixing_step = rng.randrange(length) if mode == "one_mixing" else None
+    split_at_start, split_at_end = rng.random() < 0.2, rng.random() < 0.2
+    for i in range(length):
+        candidates = _candidates(mode, i == mixing_step, (i == 0 and split_at_start) or (i == length - 1 and split_at_end))
+        for _ in range(20):
+            p = rng.choices(candidates, weights=[p.weight for p in candidates])[0]
+            if builder.run(p.name, p.emit):
+                break
+    return Program(seed, inputs, tuple(builder.steps))
+
+
+def _candidates(mode: str, mixing_step: bool, split: bool) -> list[Production]:
+    if split:
+        return [p for p in PRODUCTIONS if p.family == "split"]
+    if mixing_step:
+        return [p for p in PRODUCTIONS if p.mixes_rows]
+    return [p for p in PRODUCTIONS if mode == "any" or not p.mixes_rows]
+
+
+# -- rendering as source ---------------------------------------------------------------------
+
+
+def source(program: Program) -> str:
+    """The module of a program: `Model` and `make_inputs(n, device)`."""
+    params = [p for s in program.steps for p in s.params]
+    inputs = program.used_inputs()
+    init = [f"        self.{p.name} = torch.nn.Parameter({p.init})" for p in params]
+    body = [f"        {line}" for s in program.steps for line in s.lines]
+    outputs = _tuple_source(v.name for v in program.outputs)
+    signature = ", ".join(v.name for v in inputs)
+    shapes = ", ".join(f"{v}: {_describe(v)}" for v in inputs)
+    lines = [
+        "class Model(torch.nn.Module):",
+        "    def __init__(self):",
+        "        super().__init__()",
+        *([f"        g = torch.Generator().manual_seed({program.seed})"] if init else []),
+        *init,
+        "",
+        f"    def forward(self, {signature}):  # {shapes}",
+        *body,
+        f"        return {outputs}",
+        "",
+        "",
+        *_make_inputs_source(program.seed, inputs),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _make_inputs_source(seed: int, inputs: Sequence[Var]) -> list[str]:
+    make = {
+        "x": lambda v: f"torch.randn(n, {v.shape[1]}, generator=g)",
+        "y": lambda v: f"torch.randn(n, {v.shape[1]}, generator=g)",
+        "ids": lambda v: f"torch.randint(0, {v.bound}, (n,), generator=g)",
+    }
+    return [
+        "def make_inputs(n, device):",
+        "    # dim 0 of every input is the capture dimension, marked dynamic (Dynamo specializes n=1)",
+        f"    g = torch.Generator().manual_seed({seed} * 1000 + n)",
+        f"    inputs = {_tuple_source(make[v.name](v) + '.to(device)' for v in inputs)}",
+        "    for t in inputs:",
+        "        if n > 1:",
+        "            torch._dynamo.mark_dynamic(t, 0)",
+        "    return inputs",
+    ]
+
+
+def _tuple_source(items) -> str:
+    items = list(items)
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
+HEADER = "import torch\nimport torch.nn.functional as F\n\nimport cgcompile\nimport cgcompile.testing  # registers the split ops\n\n\n"
+
+
+def load(program: Program) -> dict:
+    """exec the program's source; returns its namespace (Model, make_inputs)."""
+    namespace: dict = {}
+    exec(compile(HEADER + source(program), f"<fuzz case {program.seed}>", "exec"), namespace)
+    return namespace
