@@ -107,7 +107,8 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     torch._dynamo.reset()
     namespace = load(program)
     torch.manual_seed(0)
-    model = namespace["Model"]().to(setup.device)
+    # Two instances, equal by their seeded initialization: a model may write its buffers.
+    reference, model = namespace["Model"]().to(setup.device), namespace["Model"]().to(setup.device)
     backend = Backend(setup.config())
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     names = [v.name for v in program.outputs]
@@ -115,17 +116,19 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in sizes:
-            outcome = _run_size(namespace["make_inputs"], model, compiled, n, setup.device, names)
+            outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names)
             if outcome.status != "ok":
                 break
+    if setup.device == "cuda":
+        backend.clear()  # return the case's graph pool before the next case
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
     return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
 
 
-def _run_size(make_inputs, model, compiled, n: int, device: str, names) -> Outcome:
+def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> Outcome:
     inputs = make_inputs(n, device)
     try:
-        want = model(*inputs)
+        want = reference(*inputs)
     except Exception as e:  # the generator wrote a program eager rejects
         return Outcome("invalid", n, _one_line(e))
     try:
@@ -135,7 +138,7 @@ def _run_size(make_inputs, model, compiled, n: int, device: str, names) -> Outco
     distance = error(got, want)
     if distance <= 1:
         return Outcome("ok")
-    status = "unstable" if distance <= 10 * _wobble(model, inputs, want) else "mismatch"
+    status = "unstable" if distance <= 10 * _wobble(reference, inputs, want) else "mismatch"
     return Outcome(status, n, compare(got, want, names))
 
 
@@ -144,7 +147,7 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _wobble(model, inputs, want) -> float:
+def _wobble(reference, inputs, want) -> float:
     """How far eager's own answer moves (in tolerances, as `error`) when the float inputs
     move by a relative 1e-6: large for a near tie in a sort or an amplifying chain of
     ops, where a reordering of float sums may legitimately move the answer as far."""
@@ -155,7 +158,7 @@ def _wobble(model, inputs, want) -> float:
             t * (1 + 1e-6 * torch.randn(t.shape, generator=g).to(t.device)) if t.is_floating_point() else t
             for t in inputs
         ]
-        moves.append(error(model(*moved), want))
+        moves.append(error(reference(*moved), want))
     return max(moves)
 
 
@@ -263,13 +266,13 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
     harness = [
         "",
         "",
-        f"model = Model().to({setup.device!r})",
+        f"model, reference = Model().to({setup.device!r}), Model().to({setup.device!r})  # equal: seeded",
         f"config = {setup.config_source()}",
         "compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)",
         "with torch.no_grad():",
         f"    for n in {tuple(sizes)}:",
         f"        inputs = make_inputs(n, {setup.device!r})",
-        "        torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-4, atol=1e-4, equal_nan=True,",
+        "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4, equal_nan=True,",
         "                                   msg=lambda m: f'n={n}: {m}')",
         "print('ok')",
     ]
@@ -302,6 +305,7 @@ class FailureClass:
 class Report:
     counts: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (compiler, status) -> cases
     padded: int = 0  # cases in which some graph ran padded
+    recompiled: list[int] = dataclasses.field(default_factory=list)  # seeds Dynamo compiled more than expected
     classes: list[FailureClass] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -317,6 +321,8 @@ class Report:
             detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
             lines.append(f"compiler={compiler}: {total} cases: {detail}")
         lines.append(f"padded in {self.padded} cases; {self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
+        if self.recompiled:
+            lines.append(f"more Dynamo graphs than sizes need (specialized, fewer sizes share a graph): seeds {self.recompiled[:20]}")
         for cls in self.classes:
             seeds = ", ".join(map(str, cls.seeds[:10])) + (" ..." if len(cls.seeds) > 10 else "")
             lines.append(f"  {cls.name}: {len(cls.seeds)} cases ({'/'.join(sorted(cls.compilers))}), seeds {seeds}")
@@ -338,6 +344,8 @@ def run_campaign(
             key = (setup.compiler, outcome.status)
             report.counts[key] = report.counts.get(key, 0) + 1
             report.padded += outcome.padded
+            if outcome.status == "ok" and outcome.graphs > 1 + (1 in sizes):
+                report.recompiled.append(seed)
             on_case(seed, setup, outcome)
             if outcome.status in FAILURES:
                 _classify(report, program, sizes, setup, outcome, shrink_budget_s, on_new_class)

@@ -56,8 +56,16 @@ class Var:
 
 @dataclasses.dataclass(frozen=True)
 class Param:
+    """A parameter, or a buffer (state the model writes into, as a KV cache)."""
+
     name: str
     init: str  # an expression over `g`, the model's seeded generator
+    buffer: bool = False
+
+    def source(self) -> str:
+        if self.buffer:
+            return f'self.register_buffer("{self.name}", {self.init})'
+        return f"self.{self.name} = torch.nn.Parameter({self.init})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +170,9 @@ class _Builder:
         self._reads.add(var.name)
         return var
 
-    def param(self, init: str) -> str:
-        name = f"p{next(self._names)}"
-        self._params.append(Param(name, init))
+    def param(self, init: str, *, buffer: bool = False) -> str:
+        name = f"{'b' if buffer else 'p'}{next(self._names)}"
+        self._params.append(Param(name, init, buffer))
         return f"self.{name}"
 
     def define(self, expr: str, shape, *, bound=None, view_of: Var | None = None, ambiguous=False) -> Var:
@@ -184,6 +192,10 @@ class _Builder:
         self._lines.append(f"{', '.join(v.name for v in out)} = {expr}  # {comment}")
         self._defines += out
         return out
+
+    def write_state(self, line: str) -> None:
+        """Emit a write into the model's own state (a buffer), not into a program tensor."""
+        self._lines.append(line)
 
     def mutate(self, var: Var, line: str) -> None:
         """Emit an in-place write into `var`. Allowed only where eager's answer is defined:
@@ -662,10 +674,12 @@ def flip_rows(g):
 
 @production("cat", mixes_rows=True)
 def halves_rows(g):
-    """The first half of the rows treated apart from the second: where it splits depends on n."""
+    """The first half of the rows treated apart from the second: where it splits depends
+    on n. (A mask, not slices: a slice of one row makes Dynamo specialize on n // 2 == 1.)"""
     v = g.pick(_rows())
-    half = f"{v}.shape[0] // 2"
-    g.define(f"torch.cat([{v}[:{half}] * 2.0, {v}[{half}:]], dim=0)", v.shape)
+    ones = ", 1" * (len(v.shape) - 1)
+    pos = f"torch.arange({v}.shape[0], device={v}.device).view(-1{ones})"
+    g.define(f"torch.where({pos} < {v}.shape[0] // 2, {v} * 2.0, {v})", v.shape)
 
 
 # in-place updates of intermediates
@@ -694,6 +708,17 @@ def inplace_add(g):
 def inplace_row(g):
     v = g.pick(_rows())
     g.mutate(v, g.choice([f"{v}[0] += 1.0", f"{v}[-1] *= 0.5"]))
+
+
+@production("inplace", mixes_rows=True)
+def buffer_write(g):
+    """Rows written into a buffer at their positions (as into a KV cache), then the whole
+    buffer read: rows past n hold what earlier calls wrote. Sizes stay below its 16 rows."""
+    v = g.pick(_rows(2))
+    buf = g.param(f"torch.zeros(16, {v.shape[1]})", buffer=True)
+    positions = f"torch.arange({v}.shape[0], device={v}.device)"
+    g.write_state(g.choice([f"{buf}[:{v}.shape[0]] = {v}", f"{buf}.index_copy_(0, {positions}, {v})"]))
+    g.define(f"{buf} * 1.0", (16, v.shape[1]))
 
 
 # the capture size used as a value
@@ -818,7 +843,7 @@ def source(program: Program) -> str:
     """The module of a program: `Model` and `make_inputs(n, device)`."""
     params = [p for s in program.steps for p in s.params]
     inputs = program.used_inputs()
-    init = [f"        self.{p.name} = torch.nn.Parameter({p.init})" for p in params]
+    init = [f"        {p.source()}" for p in params]
     body = [f"        {line}" for s in program.steps for line in s.lines]
     outputs = _tuple_source(v.name for v in program.outputs)
     signature = ", ".join(v.name for v in inputs)

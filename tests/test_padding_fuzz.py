@@ -20,18 +20,29 @@ from cgcompile.fuzz_grammar import N, Program
 class KnownBug:
     """An open bug the fuzzer found: a failing case whose program uses one of
     `productions` counts as this bug (the test reports xfail, listing the cases); any
-    other failure fails the test. `model` shows the bug at n=3, padded to 4;
-    `test_known_bug_reproduces` fails once it is fixed, so that the entry is removed."""
+    other failure fails the test. `make()` builds a model that shows the bug at n=3,
+    padded to 4; `test_known_bug_reproduces` fails once it is fixed, so that the entry
+    is removed."""
 
     what: str
     productions: frozenset[str]
-    model: Callable
+    make: Callable[[], Callable]
 
 
 def _write_into_a_piece_input(x):  # x: [n, 8]
-    t = torch.ops.cgcompile_testing.silly_attention(x, x, x)  # eager piece: n rows
+    t = torch.ops.cgcompile_testing.silly_attention(x, x, x)  # an eager piece: n rows
     t.mul_(2.0)  # the next, capturable piece writes into t
     return t
+
+
+class _CacheWrite(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.ones(16, 8))
+
+    def forward(self, x):  # x: [n, 8]
+        self.cache[: x.shape[0]] = x.sin()  # rows n.. must keep their ones
+        return self.cache * 1.0
 
 
 KNOWN_BUGS = (
@@ -39,7 +50,13 @@ KNOWN_BUGS = (
         "an in-place write into a piece's input (an intermediate an earlier piece produced) "
         "is lost when the piece runs padded: it writes into the padded copy",
         frozenset({"inplace_scale", "inplace_add", "inplace_slice", "inplace_row"}),
-        _write_into_a_piece_input,
+        lambda: _write_into_a_piece_input,
+    ),
+    KnownBug(
+        "a write of the rows into a buffer at their positions (buf[:n] = v, index_copy_ at "
+        "arange(n)) in a padded piece writes the padding rows too, over rows n.. of the buffer",
+        frozenset({"buffer_write"}),
+        _CacheWrite,
     ),
 )
 
@@ -174,14 +191,14 @@ def test_padded_on_cpu_inductor_pieces_agree_with_eager():
     _assert_only_known_bugs(CPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cpu", padding=True))
 
 
-@pytest.mark.parametrize("bug", KNOWN_BUGS, ids=lambda bug: bug.model.__name__)
+@pytest.mark.parametrize("bug", KNOWN_BUGS, ids=lambda bug: sorted(bug.productions)[0])
 @pytest.mark.xfail(strict=True, reason="a known bug (KNOWN_BUGS); this passes, and so fails, once it is fixed")
 def test_known_bug_reproduces(bug: KnownBug):
     config = fuzz.Setup("eager", "cpu", padding=True).config()
-    compiled = torch.compile(bug.model, backend=cgcompile.Backend(config), fullgraph=True)
+    compiled = torch.compile(bug.make(), backend=cgcompile.Backend(config), fullgraph=True)
     x = torch.randn(3, 8)
     torch._dynamo.mark_dynamic(x, 0)
-    torch.testing.assert_close(compiled(x), bug.model(x))
+    torch.testing.assert_close(compiled(x), bug.make()(x))
 
 
 @pytest.mark.cuda
