@@ -40,7 +40,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_values import example_value, tensors_in
-from .split_rule import is_floating
+from .split_rule import is_floating, mutated_base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +82,7 @@ def _hazard(node: Node, symbol: sympy.Symbol) -> str | None:
     op = _op_name(node)
     return (
         _layout_rule(op, inputs, outputs, symbol)
+        or _write_through_view_rule(op, node, symbol)
         or _reduction_rule(op, inputs, outputs, symbol)
         or _scalar_rule(op, node, scalars)
         or _op_rule(op, node, symbol)
@@ -105,6 +106,20 @@ def _layout_rule(op: str, inputs, outputs, symbol) -> str | None:
     return None
 
 
+def _write_through_view_rule(op: str, node: Node, symbol) -> str | None:
+    # cache[:n].copy_(v): the view has the capture dimension, the buffer under it does
+    # not, and a padded graph would write its padding rows into the buffer's rows n..
+    target, base = mutated_base(node)
+    if base is None or base is target:
+        return None
+    if capture_dims(example_value(target), symbol) and not capture_dims(example_value(base), symbol):
+        return (
+            f"{op} writes into a view of {base.name} {_shape(example_value(base))} that runs along the capture "
+            f"dimension: a padded graph would write its padding rows there too"
+        )
+    return None
+
+
 def _reduction_rule(op: str, inputs, outputs, symbol) -> str | None:
     source = next((t for t in inputs if capture_dims(t, symbol)), None)
     if source is None or op in _METADATA_ONLY or op == "setitem":  # setitem returns None
@@ -117,6 +132,9 @@ def _reduction_rule(op: str, inputs, outputs, symbol) -> str | None:
 
 def _scalar_rule(op: str, node: Node, scalars: list[tuple[Any, Any]]) -> str | None:
     for position, value in scalars:
+        if not _is_shape_position(node, op, position) and op == "setitem":
+            return (f"setitem writes rows up to the capture size ({value}): a padded graph would write "
+                    f"its padding rows there too")
         if not _is_shape_position(node, op, position):
             return f"{op} uses the capture size ({value}) as a value, and a padded graph would use the padded size"
     return None
@@ -187,6 +205,11 @@ def _indexing_rule(op: str, node: Node, symbol) -> str | None:
     if op in ("embedding", "embedding_bag"):
         weight = example_value(_arg(node, 1, "weight"))
         return f"{op} looks rows up in a table with the capture dimension" if capture_dims(weight, symbol) else None
+    if op in _WRITES and not dims and _capture_args(node, symbol):
+        return (
+            f"{op} writes rows chosen along the capture dimension into {_shape(source)}, which "
+            f"has none: a padded graph would write its padding rows there too"
+        )
     if op in ("getitem", "setitem"):
         return _subscript_rule(op, node, source, dims)
     spec = (2, "dim", None) if op == "take_along_dim" else (1, "dim", None)
@@ -205,6 +228,10 @@ def _subscript_rule(op: str, node: Node, source: torch.Tensor, dims: tuple[int, 
         if d in dims and not _keeps_rows(item):
             return f"{op} picks rows of the capture dimension (dim {d} of {_shape(source)}) with {item!r}"
     return None
+
+
+def _capture_args(node: Node, symbol) -> bool:
+    return any(capture_dims(t, symbol) for a in _tensor_args(node) for t in tensors_in(example_value(a)))
 
 
 def _unpacks_tuple(node: Node, op: str) -> bool:
@@ -307,8 +334,9 @@ def _is_shape_position(node: Node, op: str, path: tuple) -> bool:
         return position in ("end", 0 if len(node.args) == 1 else 1)
     if op == "narrow":
         return position in (3, "length")
-    if op in ("getitem", "setitem"):
-        # x[:s0] or x[a, :s0]: the first n entries, the same at every size.
+    if op == "getitem":
+        # x[:s0] or x[a, :s0]: the first n entries, the same at every size. Not for a
+        # write (setitem): a padded graph would write its padding rows there too.
         return position == 1 and path[-1] == ("slice", 1)
     return False
 
@@ -451,6 +479,8 @@ _INDEXING = frozenset({
     "embedding", "embedding_bag", "getitem", "setitem", "index_select", "gather", "take_along_dim",
     "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill", "index_put",
 })
+_WRITES = frozenset({"setitem", "scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy",
+                     "index_fill", "index_put"})
 _SHAPE_METHODS = frozenset({"view", "reshape", "expand", "new_zeros", "new_ones", "new_empty", "repeat"})
 _SHAPE_FACTORIES = frozenset({"zeros", "ones", "empty", "rand", "randn", "full", "broadcast_to", "reshape",
                              "view", "expand"})

@@ -19,7 +19,8 @@ Rules, in order:
                 output shape is fixed, but a CUDA graph would replay the value it
                 was captured with
   input_mutation the op writes in place into a graph input that is not a parameter or
-                buffer; a graph would write into its private copy instead
+                buffer, or into a value an earlier piece made (one made before the last
+                eager node); a graph would write into its private copy instead
 """
 
 from __future__ import annotations
@@ -77,12 +78,18 @@ def classify_nodes(
     """
     allowed = {capture_symbol} if capture_symbol is not None else set()
     eager = {}
-    for node in gm.graph.nodes:
+    position: dict[Node, int] = {}
+    last_eager = -1
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        reason = _reason(node, op_reason, allowed, on_accelerator, mutable_inputs)
+        reason = _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) or _earlier_piece_rule(
+            node, position, last_eager
+        )
         if reason is not None:
             eager[node] = SplitReason(reason[0], reason[1], node.name)
+            last_eager = i
     return eager
 
 
@@ -182,6 +189,24 @@ def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str
     base = _view_base(target) if isinstance(target, Node) else None
     if base is not None and base.op == "placeholder" and base.name in mutable_inputs:
         return "input_mutation", f"writes in place into graph input {base.name}"
+    return None
+
+
+def mutated_base(node: Node) -> tuple[Any, Node | None]:
+    """(the argument an in-place op writes into, the tensor it is a view of), or (None, None)."""
+    target = _mutated_arg(node)
+    if not isinstance(target, Node):
+        return None, None
+    return target, _view_base(target)
+
+
+def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int) -> tuple[str, str] | None:
+    """An in-place write into a value made before the last eager node: that value belongs
+    to an earlier piece, and a graph of this one would write into its own copy of it."""
+    target = _mutated_arg(node)
+    base = _view_base(target) if isinstance(target, Node) else None
+    if base is not None and base.op != "placeholder" and position.get(base, last_eager) < last_eager:
+        return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
     return None
 
 

@@ -164,3 +164,48 @@ def test_padding_reason_in_dump_and_inspect(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "exact sizes: piece_0 is unsafe to pad" in out
     assert "mean reduces or indexes over the capture dimension (dim 0 of [s" in out
+
+
+class _Cache(torch.nn.Module):
+    def __init__(self, write):
+        super().__init__()
+        self.register_buffer("cache", torch.ones(16, 8))
+        self.write = write
+
+    def forward(self, x):  # x: [n, 8]
+        self.write(self.cache, x)
+        return _split(self.cache * 1.0)
+
+
+WRITES = {
+    "setitem_prefix": lambda cache, x: cache.__setitem__(slice(None, x.shape[0]), x.sin()),
+    "copy_into_prefix": lambda cache, x: cache[: x.shape[0]].copy_(x.sin()),
+    "index_copy_rows": lambda cache, x: cache.index_copy_(0, torch.arange(x.shape[0]), x.sin()),
+}
+
+
+@pytest.mark.parametrize("name", WRITES)
+def test_writes_of_rows_into_a_buffer_are_not_padded(name):
+    model = _Cache(WRITES[name])
+    reference = _Cache(WRITES[name])
+    compiled, backend = _compile(model)
+    for n in (3, 5):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), reference(x))
+    op = {"setitem_prefix": "setitem", "copy_into_prefix": "copy_", "index_copy_rows": "index_copy_"}[name]
+    assert any((p.padding_unsafe or "").startswith(op) for p in backend.pieces)
+
+
+def test_in_place_write_into_an_earlier_piece_result_is_kept():
+    def fn(x):
+        t = _split(x)  # an eager piece makes t
+        t.mul_(2.0)  # a write into it, after the split
+        return t + 1
+
+    compiled, backend = _compile(fn)
+    for n in (3, 8):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert any("which an earlier piece made [input_mutation]" in (p.reason or "") for p in backend.pieces)
