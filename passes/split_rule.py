@@ -47,6 +47,11 @@ class SplitReason:
         return f"{self.node}: {self.detail} [{self.rule}]"
 
 
+_IN_PLACE_OPERATORS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+    operator.irshift, operator.imatmul,
+})
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
 _HOST_SYNC_FUNCTIONS = frozenset({torch.nonzero, torch.Tensor.item, torch.Tensor.tolist})
 _HOST_SYNC_ATEN = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
@@ -213,8 +218,11 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int) 
 def _mutated_arg(node: Node) -> Any:
     if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
         return node.args[0]
-    if node.op == "call_function" and node.target is operator.setitem:
-        return node.args[0]
+    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
+        # x += y on a tensor writes into x (Dynamo keeps operator.iadd for it)
+        target = node.args[0]
+        if node.target is operator.setitem or isinstance(example_value(target), torch.Tensor):
+            return target
     schema = getattr(node.target, "_schema", None)
     if schema is not None:
         for arg, value in zip(schema.arguments, node.args):
@@ -224,6 +232,9 @@ def _mutated_arg(node: Node) -> Any:
 
 
 def _view_base(node: Node) -> Node:
+    """The tensor a chain of views starts from (a getitem of a tuple is not a view)."""
     while is_view_op(node) and node.args and isinstance(node.args[0], Node):
+        if not isinstance(example_value(node.args[0]), torch.Tensor):
+            break
         node = node.args[0]
     return node
