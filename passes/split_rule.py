@@ -210,6 +210,8 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int) 
     to an earlier piece, and a graph of this one would write into its own copy of it."""
     target = _mutated_arg(node)
     base = _view_base(target) if isinstance(target, Node) else None
+    if base is not None and base.op == "call_function" and base.target is operator.getitem:
+        base = base.args[0]  # an element of a tuple belongs to the piece of the op that made it
     if base is not None and base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
         return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
     return None
