@@ -47,6 +47,7 @@ class SplitReason:
         return f"{self.node}: {self.detail} [{self.rule}]"
 
 
+_TUPLE_OF_VIEWS = frozenset({"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "unsafe_split"})
 _IN_PLACE_OPERATORS = frozenset({
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
@@ -83,6 +84,7 @@ def classify_nodes(
     """
     allowed = {capture_symbol} if capture_symbol is not None else set()
     eager = {}
+    written_views = _views_written_through(gm)
     position: dict[Node, int] = {}
     last_eager = -1
     for i, node in enumerate(gm.graph.nodes):
@@ -90,7 +92,7 @@ def classify_nodes(
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         reason = _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) or _earlier_piece_rule(
-            node, position, last_eager
+            node, position, last_eager, written_views
         )
         if reason is not None:
             eager[node] = SplitReason(reason[0], reason[1], node.name)
@@ -205,16 +207,39 @@ def mutated_base(node: Node) -> tuple[Any, Node | None]:
     return target, _view_base(target)
 
 
-def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int) -> tuple[str, str] | None:
-    """An in-place write into a value made before the last eager node: that value belongs
-    to an earlier piece, and a graph of this one would write into its own copy of it."""
+def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
+                        written_views: set[Node]) -> tuple[str, str] | None:
+    """An in-place write into a value made before the last eager node, or a view of such
+    a value that a later op writes through: the value belongs to an earlier piece, and a
+    graph of this one would hold (and write into) its own copy of it."""
+    if node in written_views:
+        base = _origin(_view_base(node))
+        if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
+            return "input_mutation", f"a view of {base.name}, which an earlier piece made, that a later op writes into"
+        return None
     target = _mutated_arg(node)
-    base = _view_base(target) if isinstance(target, Node) else None
-    if base is not None and base.op == "call_function" and base.target is operator.getitem:
-        base = base.args[0]  # an element of a tuple belongs to the piece of the op that made it
+    base = _origin(_view_base(target)) if isinstance(target, Node) else None
     if base is not None and base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
         return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
     return None
+
+
+def _origin(node: Node) -> Node:
+    """The node whose piece holds `node`: an element of a tuple lives with the op that made it."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
+        return node.args[0]
+    return node
+
+
+def _views_written_through(gm: GraphModule) -> set[Node]:
+    """Every view node on the chain from an in-place op's target to the tensor it views."""
+    views = set()
+    for node in gm.graph.nodes:
+        target = _mutated_arg(node) if node.op in ("call_function", "call_method") else None
+        while isinstance(target, Node) and target is not _view_base(target):
+            views.add(target)
+            target = _view_parent(target)
+    return views
 
 
 def _mutated_arg(node: Node) -> Any:
@@ -234,9 +259,23 @@ def _mutated_arg(node: Node) -> Any:
 
 
 def _view_base(node: Node) -> Node:
-    """The tensor a chain of views starts from (a getitem of a tuple is not a view)."""
-    while is_view_op(node) and node.args and isinstance(node.args[0], Node):
-        if not isinstance(example_value(node.args[0]), torch.Tensor):
-            break
-        node = node.args[0]
+    """The tensor a chain of views starts from."""
+    while (parent := _view_parent(node)) is not None:
+        node = parent
     return node
+
+
+def _view_parent(node: Node) -> Node | None:
+    """The tensor `node` is a view of, or None. An element of a tuple of views (chunk,
+    split, unbind) is a view of what they split; of any other tuple, of nothing."""
+    if not (is_view_op(node) or _is_tuple_of_views(node)) or not node.args or not isinstance(node.args[0], Node):
+        return None
+    parent = node.args[0]
+    if isinstance(example_value(parent), torch.Tensor):
+        return parent
+    return parent if _is_tuple_of_views(parent) else None
+
+
+def _is_tuple_of_views(node: Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
+    return node.op in ("call_method", "call_function") and name in _TUPLE_OF_VIEWS

@@ -209,3 +209,19 @@ def test_in_place_write_into_an_earlier_piece_result_is_kept():
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), fn(x))
     assert any("which an earlier piece made [input_mutation]" in (p.reason or "") for p in backend.pieces)
+
+
+def test_view_made_in_a_graph_and_written_later_aliases_the_real_tensor():
+    def fn(x):
+        t0 = _split(x)  # an eager piece makes t0
+        t2 = t0[:, :2]  # a view of t0, in the next (padded) piece
+        t4 = _split(torch.relu(t0))
+        t2.add_(1.0)  # written through in a later piece: t0 must see it
+        return t0, t4
+
+    compiled, backend = _compile(fn)
+    for n in (3, 5):
+        x = torch.randn(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert any("that a later op writes into [input_mutation]" in (p.reason or "") for p in backend.pieces)
