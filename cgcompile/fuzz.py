@@ -5,18 +5,19 @@ cgcompile and compared with eager at sizes on and off the capture sizes.
                              [--device cpu|cuda] [--padding true|none|false]
 
 A case is one seed: `generate(seed)` builds a `Program` (a model written as Python
-source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles it with
-`cgcompile.Backend` and compares it with eager at a few sizes of the capture
-dimension (`case_sizes`: a capture size, one between capture sizes, one above the
-largest). A failure is shrunk (`shrink`: drop sizes and steps while it persists) and
-reported as a standalone script (`reproducer`); `run_campaign` groups failures into
-classes by the productions their shrunk programs keep.
+source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles one instance
+with `cgcompile.Backend` and compares it with another, run eagerly, at a few sizes of
+the capture dimension (`case_sizes`: a capture size, one between capture sizes, one
+above the largest). A failure is shrunk (`shrink`: drop sizes and steps while it
+persists) and reported as a standalone script (`reproducer`); `run_campaign` groups
+failures into classes by the productions their shrunk programs keep.
 
-Statuses: a compiled result that differs from eager beyond float reordering is a
-"mismatch"; an exception from the compiled model where eager ran is an "error"; an
-exception from eager is "invalid" (a generator bug). A difference where eager's own
-answer moves under a 1e-6 perturbation of the inputs (a near tie in a sort, an
-amplifying chain) is "unstable" and not counted as a failure.
+Statuses: a compiled result that differs from eager beyond float reordering (`error`
+above 1) is a "mismatch"; an exception from the compiled model where eager ran is an
+"error"; an exception from eager, or from torch.compile without cgcompile, is
+"invalid" (a generator bug). A difference no larger
+than eager's own answer moves under a 1e-6 perturbation of the inputs (a near tie in a
+sort, an amplifying chain of ops) is "unstable" and not counted as a failure.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from .backend import Backend
 from .config import Config
 from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
 
-__all__ = ["PRODUCTIONS", "Program", "Setup", "Outcome", "Report", "generate", "source", "case_sizes",
-           "run_case", "compare", "shrink", "reproducer", "run_campaign", "main"]
+__all__ = [
+    "CAPTURE_SIZES", "FAILURES", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
+    "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink", "source",
+]
 
 CAPTURE_SIZES = (1, 2, 4, 8)
 RTOL, ATOL = 1e-4, 1e-5  # ATOL against the output's largest |eager value|, at least 1
@@ -84,8 +87,9 @@ class Setup:
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """status: "ok"; "mismatch" (compiled differs from eager); "error" (compiled raised
-    where eager did not); "unstable" (differs, but eager's own answer moves under a tiny
-    perturbation: not counted); "invalid" (eager raised: a bug of the generator)."""
+    where eager did not); "unstable" (differs, but no more than eager's own answer moves
+    under a tiny perturbation: not counted); "invalid" (eager, or torch.compile without
+    cgcompile, raised: a bug of the generator)."""
 
     status: str
     size: int | None = None
@@ -106,7 +110,6 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     """Compile the program with cgcompile and compare it with eager at each size, in order."""
     torch._dynamo.reset()
     namespace = load(program)
-    torch.manual_seed(0)
     # Two instances, equal by their seeded initialization: a model may write its buffers.
     reference, model = namespace["Model"]().to(setup.device), namespace["Model"]().to(setup.device)
     backend = Backend(setup.config())
@@ -121,6 +124,8 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
                 break
     if setup.device == "cuda":
         backend.clear()  # return the case's graph pool before the next case
+    if outcome.status == "error" and _rejected_by_dynamo(namespace, sizes[: sizes.index(outcome.size) + 1], setup.device):
+        outcome = dataclasses.replace(outcome, status="invalid", detail=f"torch.compile rejects it too: {outcome.detail}")
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
     return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
 
@@ -140,6 +145,21 @@ def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> O
         return Outcome("ok")
     status = "unstable" if distance <= 10 * _wobble(reference, inputs, want) else "mismatch"
     return Outcome(status, n, compare(got, want, names))
+
+
+def _rejected_by_dynamo(namespace: dict, sizes: Sequence[int], device: str) -> bool:
+    """Whether torch.compile with its own eager backend fails too: then the program (a
+    construct Dynamo cannot trace whole), not cgcompile, is at fault."""
+    torch._dynamo.reset()
+    compiled = torch.compile(namespace["Model"]().to(device), backend="eager", fullgraph=True)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for n in sizes:
+                compiled(*namespace["make_inputs"](n, device))
+    except Exception:
+        return True
+    return False
 
 
 def _one_line(e: Exception) -> str:
@@ -259,7 +279,7 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
     lines = [
         f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
         f"--compiler {setup.compiler} --device {setup.device} --padding {padding}",
-        f"# productions: {', '.join(program.productions)}",
+        f"# productions ({program.mode}): {', '.join(program.productions)}",
     ]
     if outcome is not None and outcome.status != "ok":
         lines.append(f"# {outcome.status} at n={outcome.size}: {outcome.detail}")

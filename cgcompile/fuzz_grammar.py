@@ -11,6 +11,8 @@ renders the module `cgcompile.fuzz` executes and prints as a reproducer.
 The rules that keep eager's answer well defined, so any difference is cgcompile's:
   - no ties where order matters: inputs and parameters are random floats, sorts are
     stable and argmax returns the first maximum everywhere; topk returns values only;
+  - nothing Dynamo cannot trace as one graph (indexing by a 0-d tensor, a slice of
+    n // 2 rows, which specializes), so that every case compiles one graph per kind of n;
   - in-place writes only into intermediates, never into an input or parameter (or a
     view of one), never through a tensor a `reshape` may or may not alias
     (`_Builder.mutate`), and never with an operand that aliases the target.
@@ -85,6 +87,8 @@ class Program:
     seed: int
     inputs: tuple[Var, ...]  # x first: the capture dimension is its dim 0
     steps: tuple[Step, ...]
+    mode: str = "any"  # which productions it drew from (`MODES`)
+    layout: str = "contiguous"  # of the float inputs (`LAYOUTS`)
 
     @property
     def productions(self) -> tuple[str, ...]:
@@ -580,7 +584,7 @@ def _row_permutation(g) -> Var:
 
 @production("index", weight=2)
 def embedding(g):
-    i = g.pick(lambda i: isinstance(i.bound, int) and len(i.shape) <= 2, index=True)
+    i = g.pick(lambda i: isinstance(i.bound, int) and len(i.shape) in (1, 2), index=True)
     e = g.choice(DIMS[:3])
     table = g.param(f"torch.randn({i.bound}, {e}, generator=g)")
     g.define(g.choice([f"F.embedding({i}, {table})", f"{table}[{i}]"]), i.shape + (e,))
@@ -598,7 +602,7 @@ def gather_cols(g):
 @production("index", weight=4, mixes_rows=True)
 def index_rows(g):
     """Rows picked by indices computed over rows (argmax over dim 0, a sort over dim 0)."""
-    i = g.pick(lambda i: i.bound == N and len(i.shape) <= 2, index=True)
+    i = g.pick(lambda i: i.bound == N and len(i.shape) in (1, 2), index=True)
     v = g.pick(_rows(2))
     if len(i.shape) == 2 and i.shape[1] <= v.shape[1] and g.rng.random() < 0.5:
         g.define(f"torch.gather({v}, 0, {i}[:, :{i.shape[1]}])", (N, i.shape[1]))
@@ -721,6 +725,15 @@ def buffer_write(g):
     g.define(f"{buf} * 1.0", (16, v.shape[1]))
 
 
+@production("inplace", mixes_rows=True)
+def buffer_update(g):
+    """A running statistic kept in a buffer (as batch norm's in training): it mixes rows."""
+    v = g.pick(_rows(2))
+    buf = g.param(f"torch.zeros({v.shape[1]})", buffer=True)
+    g.write_state(f"{buf}.mul_(0.9).add_({v}.mean(0), alpha=0.1)")
+    g.define(f"{buf} * 1.0", (v.shape[1],))
+
+
 # the capture size used as a value
 
 
@@ -802,6 +815,11 @@ def _inputs(rng: random.Random) -> tuple[Var, ...]:
 
 
 MODES = ("any", "row_local", "one_mixing")  # and their odds below
+LAYOUTS = {  # how make_inputs lays out a float input [n, d]
+    "contiguous": "torch.randn(n, {d}, generator=g).to(device)",
+    "transposed": "torch.randn({d}, n, generator=g).to(device).t()",  # strides (1, n)
+    "strided": "torch.randn(n, {d2}, generator=g).to(device)[:, ::2]",  # strides (2d, 2)
+}
 
 
 def generate(seed: int, max_steps: int = 10) -> Program:
@@ -825,7 +843,8 @@ def generate(seed: int, max_steps: int = 10) -> Program:
             p = rng.choices(candidates, weights=[p.weight for p in candidates])[0]
             if builder.run(p.name, p.emit):
                 break
-    return Program(seed, inputs, tuple(builder.steps))
+    layout = rng.choices(list(LAYOUTS), weights=(6, 2, 2))[0]  # drawn last: earlier draws keep their programs
+    return Program(seed, inputs, tuple(builder.steps), mode, layout)
 
 
 def _candidates(mode: str, mixing_step: bool, split: bool) -> list[Production]:
@@ -860,22 +879,22 @@ def source(program: Program) -> str:
         f"        return {outputs}",
         "",
         "",
-        *_make_inputs_source(program.seed, inputs),
+        *_make_inputs_source(program, inputs),
     ]
     return "\n".join(lines) + "\n"
 
 
-def _make_inputs_source(seed: int, inputs: Sequence[Var]) -> list[str]:
-    make = {
-        "x": lambda v: f"torch.randn(n, {v.shape[1]}, generator=g)",
-        "y": lambda v: f"torch.randn(n, {v.shape[1]}, generator=g)",
-        "ids": lambda v: f"torch.randint(0, {v.bound}, (n,), generator=g)",
-    }
+def _make_inputs_source(program: Program, inputs: Sequence[Var]) -> list[str]:
+    def make(v: Var) -> str:
+        if v.is_index:
+            return f"torch.randint(0, {v.bound}, (n,), generator=g).to(device)"
+        return LAYOUTS[program.layout].format(d=v.shape[1], d2=2 * v.shape[1])
+
     return [
         "def make_inputs(n, device):",
         "    # dim 0 of every input is the capture dimension, marked dynamic (Dynamo specializes n=1)",
-        f"    g = torch.Generator().manual_seed({seed} * 1000 + n)",
-        f"    inputs = {_tuple_source(make[v.name](v) + '.to(device)' for v in inputs)}",
+        f"    g = torch.Generator().manual_seed({program.seed} * 1000 + n)",
+        f"    inputs = {_tuple_source(make(v) for v in inputs)}",
         "    for t in inputs:",
         "        if n > 1:",
         "            torch._dynamo.mark_dynamic(t, 0)",
