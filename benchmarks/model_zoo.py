@@ -59,7 +59,7 @@ KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's recommended dynamic_so
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
 PROMPT_LEN = 8  # language-model prompts
 TEXT_LEN = 16  # text-encoder and seq2seq encoder inputs
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # max err, relative to the largest eager value
 
 # -- the architectures ------------------------------------------------------------------
 
@@ -73,7 +73,6 @@ _VISION = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
 _SEQ2SEQ = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, pad_token_id=0,
                 bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-
 
 KINDS = ("decoder", "moe", "encoder", "vision", "seq2seq")
 _AUTO = {"decoder": "AutoModelForCausalLM", "moe": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM"}
