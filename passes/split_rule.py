@@ -215,7 +215,7 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
     if node in written_views:
         base = _origin(_view_base(node))
         if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
-            return "input_mutation", f"a view of {base.name}, which an earlier piece made, that a later op writes into"
+            return "input_mutation", f"a view of {base.name}, which an earlier piece made and an op writes into"
         return None
     target = _mutated_arg(node)
     base = _origin(_view_base(target)) if isinstance(target, Node) else None
@@ -232,14 +232,18 @@ def _origin(node: Node) -> Node:
 
 
 def _views_written_through(gm: GraphModule) -> set[Node]:
-    """Every view node on the chain from an in-place op's target to the tensor it views."""
-    views = set()
+    """Every view of a tensor that some op writes into, directly or through a view: such a
+    view must alias the real tensor, so it may not be made inside a graph from its copy."""
+    written = set()
     for node in gm.graph.nodes:
         target = _mutated_arg(node) if node.op in ("call_function", "call_method") else None
-        while isinstance(target, Node) and target is not _view_base(target):
-            views.add(target)
-            target = _view_parent(target)
-    return views
+        if isinstance(target, Node):
+            written.add(_origin(_view_base(target)))
+    return {
+        node for node in gm.graph.nodes
+        if node.op in ("call_function", "call_method") and _view_parent(node) is not None
+        and _origin(_view_base(node)) in written
+    }
 
 
 def _mutated_arg(node: Node) -> Any:
@@ -251,6 +255,8 @@ def _mutated_arg(node: Node) -> Any:
         if node.target is operator.setitem or isinstance(example_value(target), torch.Tensor):
             return target
     schema = getattr(node.target, "_schema", None)
+    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
+        schema = node.target.default._schema  # Dynamo records torch.ops.ns.op as the packet
     if schema is not None:
         for arg, value in zip(schema.arguments, node.args):
             if arg.alias_info is not None and arg.alias_info.is_write:

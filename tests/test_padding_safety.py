@@ -224,4 +224,4 @@ def test_view_made_in_a_graph_and_written_later_aliases_the_real_tensor():
         x = torch.randn(n, 8)
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), fn(x))
-    assert any("that a later op writes into [input_mutation]" in (p.reason or "") for p in backend.pieces)
+    assert any("and an op writes into [input_mutation]" in (p.reason or "") for p in backend.pieces)
