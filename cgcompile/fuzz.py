@@ -23,6 +23,7 @@ sort, an amplifying chain of ops) is "unstable" and not counted as a failure.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import logging
@@ -132,6 +133,7 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
 
 def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> Outcome:
     inputs = make_inputs(n, device)
+    before = copy.deepcopy(reference)  # its buffers as they were before this call
     try:
         want = reference(*inputs)
     except Exception as e:  # the generator wrote a program eager rejects
@@ -143,7 +145,7 @@ def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> O
     distance = error(got, want)
     if distance <= 1:
         return Outcome("ok")
-    status = "unstable" if distance <= 10 * _wobble(reference, inputs, want) else "mismatch"
+    status = "unstable" if distance <= 10 * _wobble(before, inputs, want) else "mismatch"
     return Outcome(status, n, compare(got, want, names))
 
 
@@ -167,10 +169,11 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _wobble(reference, inputs, want) -> float:
+def _wobble(before, inputs, want) -> float:
     """How far eager's own answer moves (in tolerances, as `error`) when the float inputs
     move by a relative 1e-6: large for a near tie in a sort or an amplifying chain of
-    ops, where a reordering of float sums may legitimately move the answer as far."""
+    ops, where a reordering of float sums may legitimately move the answer as far.
+    `before` is the eager model as it was before the call (each try runs a copy of it)."""
     g = torch.Generator().manual_seed(1)
     moves = []
     for _ in range(2):
@@ -178,7 +181,7 @@ def _wobble(reference, inputs, want) -> float:
             t * (1 + 1e-6 * torch.randn(t.shape, generator=g).to(t.device)) if t.is_floating_point() else t
             for t in inputs
         ]
-        moves.append(error(reference(*moved), want))
+        moves.append(error(copy.deepcopy(before)(*moved), want))
     return max(moves)
 
 

@@ -13,7 +13,7 @@ import torch
 
 import cgcompile
 from cgcompile import fuzz
-from cgcompile.fuzz_grammar import N, Program
+from cgcompile.fuzz_grammar import LAYOUTS, MODES, N, Program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,19 @@ def _write_into_a_viewed_tensor(x):  # x: [n, 8]
     return v, u
 
 
+class _WriteIntoAGather(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(32, 8, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):  # x: [n, 8]
+        ids = (x[:, 0].abs() * 8).long() % 32
+        t = self.table[ids]  # advanced indexing: a copy, not a view of the table
+        s = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        t.mul_(s)  # a write into what an earlier piece made
+        return t
+
+
 class _CacheWrite(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -74,6 +87,13 @@ KNOWN_BUGS = (
         "later write through the view misses the input, a later write into the input misses the view",
         (VIEWS, WRITES),
         (lambda: _write_through_a_view, lambda: _write_into_a_viewed_tensor),
+    ),
+    KnownBug(
+        "indexing by a tensor (table[ids], x[i]) is taken for a view: a later in-place write "
+        "into its result (a copy an earlier piece made) is taken for a write into the table "
+        "and stays in a padded piece, which writes into its padded copy",
+        (frozenset({"embedding", "index_rows"}), WRITES),
+        (_WriteIntoAGather,),
     ),
 )
 
@@ -143,6 +163,8 @@ def test_every_production_is_reachable():
     assert any(a in splits and b in splits for p in programs for a, b in zip(p.productions, p.productions[1:]))
     inputs = {v.name for p in programs for v in p.used_inputs()}
     assert inputs == {"x", "y", "ids"}
+    assert {p.mode for p in programs} == set(MODES)
+    assert {p.layout for p in programs} == set(LAYOUTS)
 
 
 def test_sizes_cover_capture_sizes_between_and_above():
