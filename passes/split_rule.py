@@ -227,7 +227,8 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
 def _origin(node: Node) -> Node:
     """The node whose piece holds `node`: an element of a tuple lives with the op that made it."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node):
-        return node.args[0]
+        if not isinstance(example_value(node.args[0]), torch.Tensor):
+            return node.args[0]
     return node
 
 
@@ -276,10 +277,20 @@ def _view_parent(node: Node) -> Node | None:
     split, unbind) is a view of what they split; of any other tuple, of nothing."""
     if not (is_view_op(node) or _is_tuple_of_views(node)) or not node.args or not isinstance(node.args[0], Node):
         return None
+    if node.target is operator.getitem and _indexes_by_tensor(node.args[1:2]):
+        return None  # table[ids] gathers into a new tensor
     parent = node.args[0]
     if isinstance(example_value(parent), torch.Tensor):
         return parent
     return parent if _is_tuple_of_views(parent) else None
+
+
+def _indexes_by_tensor(index) -> bool:
+    if isinstance(index, Node):
+        return isinstance(example_value(index), torch.Tensor)
+    if isinstance(index, (tuple, list)):
+        return any(_indexes_by_tensor(i) for i in index)
+    return False
 
 
 def _is_tuple_of_views(node: Node) -> bool:
