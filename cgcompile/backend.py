@@ -186,7 +186,7 @@ class Backend:
 
     def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis,
                        sizing: GraphSizing, step: StepSize) -> list[PieceRunner]:
-        eager_outputs = {out for spec in split.pieces if not spec.capturable for out in spec.outputs}
+        piece_outputs = {out for spec in split.pieces for out in spec.outputs}
         runners = []
         for spec in split.pieces:
             piece = _record_piece(graph_index, spec, sizing)
@@ -198,8 +198,8 @@ class Backend:
             self.stats.capturable_pieces += 1
             fn = self._compiler.compile(spec)
             self.stats.compilations = self._compiler.compilations
-            from_eager = tuple(i for i, node in enumerate(spec.inputs) if node in eager_outputs)
-            runners.append(self._make_runner(piece, spec, fn, analysis, sizing, step, from_eager))
+            from_pieces = tuple(i for i, node in enumerate(spec.inputs) if node in piece_outputs)
+            runners.append(self._make_runner(piece, spec, fn, analysis, sizing, step, from_pieces))
         if not any(s.capturable for s in split.pieces):
             log.warning(
                 "cgcompile: graph %d has no capturable piece; it runs eagerly. Reasons: %s",
@@ -209,9 +209,11 @@ class Backend:
         return runners
 
     def _make_runner(self, piece: Piece, spec, fn, analysis: GraphAnalysis, sizing: GraphSizing,
-                     step: StepSize, from_eager: tuple[int, ...]) -> PieceRunner:
+                     step: StepSize, from_pieces: tuple[int, ...]) -> PieceRunner:
         symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
-        checked = from_eager if self.config.compiler == "inductor" else ()
+        # Inputs made by other pieces: an eager op's kernel, and Inductor too (a cat with
+        # an empty operand keeps the other's layout), may return another layout than traced.
+        checked = from_pieces if self.config.compiler == "inductor" else ()
         traced = TracedLayout([example_value(n) for n in spec.inputs], symbol, checked)
         graphs = analysis.cudagraphs
         if not (graphs or sizing.padded):

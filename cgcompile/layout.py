@@ -4,7 +4,9 @@ Inductor compiles a piece for the sizes and strides of its example inputs and ch
 them on every call (`assert_size_stride`). An input made by an eager piece has whatever
 layout the kernel that ran returns, and that need not be the layout its fake (meta)
 implementation promised at trace time: SDPA's CUDA kernels return heads-outer results
-where the meta function says rows-outer, for one. So the runners of compiled pieces
+where the meta function says rows-outer, for one. A compiled piece's output can differ
+too: Inductor drops the empty operand of `cat([tensor([]), k])` and returns k's layout
+where eager's cat is contiguous. So the runners of compiled pieces
 hand every input that comes from an eager piece over in the traced layout: a graph's
 input buffers are allocated with the traced strides (replay copies into them anyway),
 a graph output is only read in place where its layout is the traced one (an eager op
@@ -25,8 +27,8 @@ class TracedLayout:
 
     values: the piece's example inputs (fake tensors with symbolic strides).
     symbol: the capture dimension's symbol, or None for a static graph.
-    checked: the inputs to check and copy on calls without graphs (those an eager piece
-        makes); graph inputs and compiled outputs already have the traced layout.
+    checked: the inputs to check and copy on calls without graphs (those other pieces
+        make); the graph's own inputs have the traced layout (Dynamo guards on it).
     """
 
     def __init__(self, values: Sequence, symbol: sympy.Symbol | None, checked: tuple[int, ...]):

@@ -66,3 +66,17 @@ def test_graph_inputs_from_an_eager_piece_take_the_traced_layout_on_cuda():
         torch.testing.assert_close(compiled(x), _model(x))
     assert backend.stats.graphs_captured == 4  # sizes 4 and 8, two pieces each
     assert backend.stats.layout_copies == 1  # only size 12 ran without graphs
+
+
+def test_compiled_output_with_another_layout_than_traced_is_copied():
+    # Inductor drops the empty operand of the cat and returns k's transposed layout; eager's
+    # cat (and so the trace) is contiguous. The next compiled piece must get the traced one.
+    def f(x):  # x: [n, 8, 2, 16]
+        k = x.transpose(1, 2) * 2
+        k = torch.cat([torch.tensor([], dtype=x.dtype), k], dim=-2)
+        a = torch.nn.functional.scaled_dot_product_attention(k, k, k)
+        return a + k
+
+    backend = cgcompile.Backend(cgcompile.Config(compiler="inductor"))
+    x = torch.randn(1, 8, 2, 16)
+    torch.testing.assert_close(torch.compile(f, backend=backend)(x), f(x))
