@@ -26,6 +26,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import random
@@ -412,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     logging.getLogger("cgcompile").setLevel(logging.ERROR)  # "no capturable piece" etc.
     report = run_campaign(seeds, _setups(args), shrink_budget_s=args.shrink_budget,
-                          on_new_class=_print_class, on_case=_print_progress)
+                          on_new_class=_print_class, on_case=_progress_printer())
     print(report.summary())
     return 1 if report.failures else 0
 
@@ -427,9 +428,18 @@ def _print_class(cls: FailureClass) -> None:
     print(f"\n=== new failure class: {cls.name}\n{cls.reproducer}", flush=True)
 
 
-def _print_progress(seed: int, setup: Setup, outcome: Outcome) -> None:
-    if outcome.status != "ok":
-        print(f"seed {seed} ({setup.compiler}): {outcome.status} at n={outcome.size}: {outcome.detail}", flush=True)
+def _progress_printer() -> Callable[[int, Setup, Outcome], None]:
+    """Prints each case that is not ok, and a count every 100 cases (to stderr)."""
+    done = itertools.count(1)
+
+    def on_case(seed: int, setup: Setup, outcome: Outcome) -> None:
+        if outcome.status != "ok":
+            print(f"seed {seed} ({setup.compiler}): {outcome.status} at n={outcome.size}: {outcome.detail}", flush=True)
+        count = next(done)
+        if count % 100 == 0:
+            print(f"... {count} cases run", file=sys.stderr, flush=True)
+
+    return on_case
 
 
 if __name__ == "__main__":
