@@ -11,6 +11,10 @@ batch 1 and 8. Variants:
                     (the README's optional line: the cache length is a symbol from the first
                     decode step, so generate() makes two Dynamo graphs instead of three);
                     --variants cgcompile-3graphs leaves it out
+    breakable       cgcompile.GraphManager(model, Config(use_breakable=True)).install(): breakable CUDA
+                    graphs, no compilation (the README's other one-line change); DynamicCache. Each
+                    decoder layer replays two graph segments around the eager cache update and
+                    attention; the prefill and the first decode step of a new signature run eagerly
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -34,6 +38,7 @@ generate()'s compile on or off (disable_compile=True), so it measures nothing.
 
     python benchmarks/hf_bench.py                                   # GPU machine, < 6 min
     python benchmarks/hf_bench.py --batches 1                       # half of it, if time is short
+    python benchmarks/hf_bench.py --variants eager,cgcompile,breakable --rounds 3 --long-tokens 1000
     python benchmarks/hf_bench.py --tiny --device cpu               # smoke test, CUDA-only variants skipped
 
 Method:
@@ -56,8 +61,15 @@ Method:
   - graphs: Dynamo graphs the variant's first call compiled; none may be added while timing.
   - tokens = eager: how many of the greedy tokens equal eager's (bf16, so near ties may
     part ways; informative only).
+  - long run (--long-tokens N, for the --long-variants): after the rounds, one generate(N new
+    tokens) with a clock read (after a synchronize) at every step; decode tokens/s in ten
+    windows of the steps; "flat" is the last window's rate over the first's.
+  - --profile: per row, cProfile of a warm generate(64) and a torch.profiler table of a
+    warm generate(8) (host and device time per op): where a decode step's time goes.
 Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
-every batch. Each variant runs under try/except; a failure is a row with its error.
+every batch. Breakable (issue 15): >= 4x eager at batch 1 and >= 3x at other batches;
+>= 0.7x cgcompile; warm-up < 3 s and < 0.2x cgcompile's; long run flat >= 0.8.
+Each variant runs under try/except; a failure is a row with its error.
 With OUT set, the results go to $OUT/hf_bench.json.
 """
 
@@ -87,6 +99,12 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 CUDA_ONLY = ("static",)  # generate() compiles a static cache's decode step on accelerators only
 TARGET_VS_EAGER = 2.5
 TARGET_VS_STATIC = 0.9
+BREAKABLE_VS_EAGER = {1: 4.0}  # other batches: BREAKABLE_VS_EAGER_ELSE
+BREAKABLE_VS_EAGER_ELSE = 3.0
+BREAKABLE_VS_CGCOMPILE = 0.7
+BREAKABLE_WARMUP_S = 3.0
+BREAKABLE_WARMUP_VS_CGCOMPILE = 0.2
+LONG_RUN_FLAT = 0.8
 
 
 @dataclasses.dataclass
@@ -102,6 +120,10 @@ class Row:
     tokens_equal_eager: str | None = None
     dynamo_graphs: int | None = None
     cgcompile_stats: dict | None = None
+    breakable_stats: dict | None = None
+    long_tokens: int | None = None
+    long_decode_tok_s_windows: list[float] | None = None
+    long_flat: float | None = None  # last window's tokens/s over the first's
     error: str | None = None
 
 
@@ -112,7 +134,7 @@ class Loaded:
     row: Row
     model: LlamaForCausalLM
     kwargs: dict
-    backend: "cgcompile.Backend | None"
+    backend: "cgcompile.Backend | cgcompile.GraphManager | None"
     full_s: list[float] = dataclasses.field(default_factory=list)
     one_s: list[float] = dataclasses.field(default_factory=list)
     output: torch.Tensor | None = None
@@ -131,6 +153,11 @@ def setup_cgcompile(model, args) -> tuple[dict, cgcompile.Backend]:
     return {}, backend
 
 
+def setup_breakable(model, args) -> tuple[dict, cgcompile.GraphManager]:
+    manager = cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True)).install()  # the one-line change
+    return {}, manager
+
+
 # Dynamo settings a variant runs under (torch.compiler.config.patch), and nothing else does.
 KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's optional line for transformers users
 VARIANT_COMPILER_CONFIG = {"cgcompile": {"dynamic_sources": KV_CACHE_SOURCES}}
@@ -142,7 +169,7 @@ def setup_static(model, args) -> tuple[dict, None]:
 
 
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
-            "static": setup_static}
+            "breakable": setup_breakable, "static": setup_static}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -206,7 +233,9 @@ def finish(loaded: Loaded, args, eager_output: torch.Tensor | None, graphs_after
     row.warmup_s = row.first_call_s - statistics.median(loaded.full_s)
     if eager_output is not None and row.variant != "eager":
         row.tokens_equal_eager = f"{int((loaded.output == eager_output).sum())}/{loaded.output.numel()}"
-    if loaded.backend is not None:
+    if isinstance(loaded.backend, cgcompile.GraphManager):
+        row.breakable_stats = breakable_stats(loaded.backend)
+    elif loaded.backend is not None:
         row.cgcompile_stats = dataclasses.asdict(loaded.backend.stats) | decode_graph_pieces(loaded.backend)
     if dynamo_graphs() != graphs_after_warmup:
         row.error = f"Dynamo compiled {dynamo_graphs() - graphs_after_warmup} graph(s) during the timing rounds"
@@ -227,6 +256,9 @@ def measure_batch(batch: int, variants: list[str], args) -> list[Row]:
             time_round(item, args)
     eager_output = next((item.output for item in loaded if item.row.variant == "eager"), None)
     rows = [finish(item, args, eager_output, graphs_after_warmup) for item in loaded]
+    for item in loaded:
+        if args.long_tokens and item.row.variant in args.long_variants.split(","):
+            long_run(item, args)
     if args.profile:
         for item in loaded:
             ids, mask = make_prompt(args, batch, item.model.config.vocab_size)
@@ -240,7 +272,8 @@ def measure_batch(batch: int, variants: list[str], args) -> list[Row]:
 
 
 def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 64) -> None:
-    """cProfile of one warm generate(): where the host time of a decode step goes."""
+    """cProfile of one warm generate(), and a torch.profiler table of a short one: where the
+    host time of a decode step goes, and what each op costs on host and device."""
     import cProfile
     import io
     import pstats
@@ -254,6 +287,48 @@ def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 6
     folder = os.environ.get("OUT", ".")
     with open(os.path.join(folder, f"profile_hf_{name}.txt"), "w") as f:
         f.write(text.getvalue())
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if ids.is_cuda else [])
+    with torch.profiler.profile(activities=activities) as ops:
+        timed(model, ids, mask, 8, kwargs)
+    with open(os.path.join(folder, f"profile_hf_ops_{name}.txt"), "w") as f:
+        f.write(f"generate(8 new tokens), {name}: ops by total host time\n")
+        f.write(ops.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+
+
+class StepClock:
+    """A stopping criterion that never stops: records the time after every decode step."""
+
+    def __init__(self, sync):
+        self.sync = sync
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def long_run(loaded: Loaded, args, windows: int = 10) -> None:
+    """generate(--long-tokens) with a clock at every step: does decode slow down as the cache grows?"""
+    from transformers import StoppingCriteriaList
+
+    row = loaded.row
+    ids, mask = make_prompt(args, row.batch, loaded.model.config.vocab_size)
+    clock = StepClock(torch.cuda.synchronize if ids.is_cuda else (lambda: None))
+    loaded.model.generate(ids, attention_mask=mask, max_new_tokens=args.long_tokens, do_sample=False,
+                          stopping_criteria=StoppingCriteriaList([clock]), **loaded.kwargs)
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # decode steps 2..N
+    per = max(len(steps) // windows, 1)
+    rates = [row.batch * per / sum(steps[i:i + per]) for i in range(0, per * windows, per) if steps[i:i + per]]
+    row.long_tokens = args.long_tokens
+    row.long_decode_tok_s_windows = [round(r, 1) for r in rates]
+    row.long_flat = rates[-1] / rates[0] if rates else None
+
+
+def breakable_stats(manager) -> dict:
+    runners = manager.breakable.runners
+    return {"runners": len(runners), "graphs": manager.breakable.graph_count(),
+            "graph_segments": manager.session.graphs_captured, "graph_memory_bytes": manager.graph_memory()}
 
 
 def decode_graph_pieces(backend) -> dict:
@@ -289,10 +364,43 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
     result = []
     for name, batch, base, threshold in checks:
         ours, theirs = rate(rows, "cgcompile", batch), rate(rows, base, batch)
-        ratio = ours / theirs if ours and theirs else None
-        status = "n/a" if ratio is None else ("PASS" if ratio >= threshold else "FAIL")
-        result.append({"target": name, "batch": batch, "ratio": ratio, "threshold": threshold, "status": status})
+        result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
+    if any(r.variant == "breakable" for r in rows):
+        result += breakable_targets(rows, batches)
     return result
+
+
+def breakable_targets(rows: list[Row], batches: list[int]) -> list[dict]:
+    """Issue 15's targets for the breakable row (a missing baseline gives n/a)."""
+    result = []
+    for batch in batches:
+        ours, eager, compiled = (rate(rows, v, batch) for v in ("breakable", "eager", "cgcompile"))
+        row = next((r for r in rows if (r.variant, r.batch) == ("breakable", batch)), None)
+        compiled_row = next((r for r in rows if (r.variant, r.batch) == ("cgcompile", batch)), None)
+        warmup = row.warmup_s if row else None
+        compiled_warmup = compiled_row.warmup_s if compiled_row else None
+        result += [
+            judge("breakable / eager", batch, ours / eager if ours and eager else None,
+                  BREAKABLE_VS_EAGER.get(batch, BREAKABLE_VS_EAGER_ELSE)),
+            judge("breakable / cgcompile", batch, ours / compiled if ours and compiled else None,
+                  BREAKABLE_VS_CGCOMPILE),
+            judge("breakable warm-up s", batch, warmup, BREAKABLE_WARMUP_S, higher=False),
+            judge("breakable warm-up / cgcompile's", batch,
+                  warmup / compiled_warmup if warmup is not None and compiled_warmup else None,
+                  BREAKABLE_WARMUP_VS_CGCOMPILE, higher=False),
+        ]
+        if row is not None and row.long_flat is not None:
+            result.append(judge(f"breakable flat over {row.long_tokens}", batch, row.long_flat, LONG_RUN_FLAT))
+    return result
+
+
+def judge(name: str, batch: int, ratio: float | None, threshold: float, higher: bool = True) -> dict:
+    if ratio is None:
+        status = "n/a"
+    else:
+        status = "PASS" if (ratio >= threshold if higher else ratio < threshold) else "FAIL"
+    return {"target": name, "batch": batch, "ratio": ratio, "threshold": threshold,
+            "better": "higher" if higher else "lower", "status": status}
 
 
 def fmt(value, spec: str) -> str:
@@ -310,14 +418,21 @@ def print_table(rows: list[Row], checks: list[dict]) -> None:
             continue
         print(f"{r.variant:<17} {r.batch:>5} {fmt(r.prefill_ms, '10.1f')} {fmt(r.decode_tok_s, '12.1f')} "
               f"{fmt(r.decode_tok_s_best, '8.1f')} "
-              f"{fmt(ratio, '7.2f')}x {fmt(r.warmup_s, '9.1f')} {fmt(r.first_call_s, '12.1f')} "
+              f"{fmt(ratio, '7.2f')}x {fmt(r.warmup_s, '9.2f')} {fmt(r.first_call_s, '12.1f')} "
               f"{fmt(r.dynamo_graphs, '6d')}  {r.tokens_equal_eager or '-'}")
     for r in rows:
         if r.cgcompile_stats:
             print(f"cgcompile batch {r.batch}: {r.cgcompile_stats}")
+        if r.breakable_stats:
+            print(f"breakable batch {r.batch}: {r.breakable_stats}")
+        if r.long_decode_tok_s_windows:
+            print(f"{r.variant} batch {r.batch}, {r.long_tokens} new tokens, decode tok/s per tenth: "
+                  f"{r.long_decode_tok_s_windows} (last / first {fmt(r.long_flat, '.2f')})")
     print()
     for c in checks:
-        print(f"target {c['target']:<20} batch {c['batch']}: {fmt(c['ratio'], '.2f')} (>= {c['threshold']}) {c['status']}")
+        sign = ">=" if c.get("better", "higher") == "higher" else "<"
+        print(f"target {c['target']:<32} batch {c['batch']}: {fmt(c['ratio'], '.2f')} ({sign} {c['threshold']}) "
+              f"{c['status']}")
 
 
 def environment(args) -> dict:
@@ -325,6 +440,7 @@ def environment(args) -> dict:
     return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
             "model": TINY if args.tiny else FULL, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "compiler": args.compiler, "rounds": args.rounds,
+            "long_tokens": args.long_tokens,
             "process_start_s": getattr(args, "process_start_s", None)}
 
 
@@ -341,7 +457,12 @@ def parse_args() -> argparse.Namespace:
                         help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
     parser.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warm-cache", action="store_true", help="keep the default Inductor cache")
-    parser.add_argument("--profile", action="store_true", help="cProfile one warm generate() per row ($OUT/profile_hf_*.txt)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile one warm generate() per row, and a torch.profiler op table "
+                             "($OUT/profile_hf_*.txt)")
+    parser.add_argument("--long-tokens", type=int, default=0,
+                        help="after timing, one generate() of this many new tokens, timed per step (0: none)")
+    parser.add_argument("--long-variants", default="breakable", help="comma-separated variants the long run covers")
     args = parser.parse_args()
     on_cuda = args.device == "cuda"
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)

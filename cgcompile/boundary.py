@@ -2,7 +2,9 @@
 
 Capturing only the stack lets batch-shaped tails (logits processor, pooler, sampler)
 run eagerly on the live batch. `boundary` is "auto", a module, an attribute path such
-as "model.language_model", or None for the whole model.
+as "model.language_model", or None for the whole model. `layers_of` finds the stack's
+list of layers, for integrations that capture each layer rather than the stack (the
+transformers one: the stack's own forward computes positions and masks on the host).
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ _LAYER_LISTS = ("layers", "h", "layer", "blocks")
 
 
 def _has_layer_list(module: nn.Module) -> bool:
-    return any(isinstance(getattr(module, name, None), nn.ModuleList) for name in _LAYER_LISTS)
+    return layers_of(module) is not None
+
+
+def layers_of(module: nn.Module) -> nn.ModuleList | None:
+    """The module's list of layers (`layers`, `h`, `layer` or `blocks`), or None."""
+    for name in _LAYER_LISTS:
+        layers = getattr(module, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    return None
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:

@@ -5,6 +5,12 @@ is decided once, when the manager is built, and logged: compiled pieces (the
 `cgcompile` backend) or breakable CUDA graphs (no compilation). With graphs off
 (`Config.cudagraphs=False`, or a model not on CUDA) the model runs eagerly. Both paths,
 when both are used, capture into the manager's one pool.
+
+`install()` routes the model's own calls (`model(...)`, `model.generate(...)`) through the
+chosen path until `uninstall()`: the compiled path compiles `model.forward`; the breakable
+path installs its runners (`breakable_path`). For a framework's models the breakable path
+comes from its integration (`cgcompile.integrations`): transformers models get a runner
+per decoder layer, with the cache update and attention as eager steps.
 """
 
 from __future__ import annotations
@@ -27,24 +33,30 @@ from .aot_capture import (
 )
 from .backend import Backend
 from .boundary import resolve_boundary
-from .breakable import BreakableRunner
+from .breakable_path import BreakablePath, boundary_path
+from .breakable_segments import SEGMENT_KINDS
 from .capture import CaptureSession
 from .config import Config, as_config
 from .errors import ArgumentError, expect
+from .integrations import integration_for
 
 log = logging.getLogger(__name__)
 
 
 class GraphManager:
-    """Owns the pool and holds the compiled-piece path or the breakable runner.
+    """Owns the pool and holds the compiled-piece path or the breakable path.
 
     use_breakable: the path this manager runs, from `Config.use_breakable` or the
         CGCOMPILE_USE_BREAKABLE environment variable (decided once, here).
-    boundary: what the breakable runner captures ("auto", a module, a path, or None).
+    boundary: what the breakable path captures ("auto", a module, a path, or None).
+    segments: "cuda_graphs", or "op_replay": the breakable path's bookkeeping on any
+        device, each segment re-run op by op at the tensors it was recorded with (what a
+        CUDA graph does, without one); for tests, and for checking a model's breaks on a
+        CPU. Needs the breakable path.
     """
 
     def __init__(self, model: torch.nn.Module, config: Config | None = None, *,
-                 boundary: Any = "auto", pool: Any = None):
+                 boundary: Any = "auto", pool: Any = None, segments: str = "cuda_graphs"):
         _check_model(model)
         self.model = model
         self.config = as_config(config, "GraphManager")
@@ -53,11 +65,15 @@ class GraphManager:
         check_cudagraphs_setting("GraphManager", self.config)
         self.session = CaptureSession.for_config(self.config, pool=pool)
         self.use_breakable = self.config.resolved_use_breakable()
-        self.graphs_enabled = self._graphs_enabled()
+        _check_segments(segments, self.use_breakable)
+        self.segments = segments
+        self.graphs_enabled = segments == "op_replay" or self._graphs_enabled()
         self._boundary = boundary
         self._backend: Backend | None = None
         self._compiled = None
-        self._breakable: BreakableRunner | None = None
+        self._breakable: BreakablePath | None = None
+        self._installed: Any = None  # what install() put on model.forward (compiled path)
+        self.installed = False
         log.info(
             "cgcompile: %s runs %s", type(model).__name__,
             "eagerly (CUDA graphs off)" if not self.graphs_enabled
@@ -89,31 +105,55 @@ class GraphManager:
         return self._compiled
 
     @property
-    def breakable(self) -> BreakableRunner:
+    def breakable(self) -> BreakablePath:
+        """The breakable runners and where they sit (built on first use)."""
         if self._breakable is None:
-            module = resolve_boundary(self.model, self._boundary)
-            self._breakable = BreakableRunner(module, self.config, self.session)
+            integration = integration_for(self.model)
+            build = integration.breakable_path if integration is not None else boundary_path
+            self._breakable = build(self.model, self._boundary, self.config, self.session, self.segments)
         return self._breakable
 
     def run_breakable(self, *args, **kwargs):
-        """Run the whole model with its boundary module replayed from breakable graphs."""
-        runner = self.breakable
-        if runner.module is self.model:
-            return runner(*args, **kwargs)
-        module = runner.module
-        previous = module.__dict__.get("forward")
-        module.forward = runner
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            del module.forward
-            if previous is not None:
-                module.forward = previous
+        """Run the whole model with its captured modules replayed from breakable graphs."""
+        return self.breakable(*args, **kwargs)
 
     def _path(self):
-        if not self.graphs_enabled:
+        if self.installed or not self.graphs_enabled:
             return self.model
         return self.run_breakable if self.use_breakable else self.compiled
+
+    # -- the model's own calls ---------------------------------------------------------------
+
+    def install(self) -> "GraphManager":
+        """Route the model's own calls (`model(...)`, `model.generate(...)`) through the
+        chosen path until `uninstall()`; returns the manager. With graphs off it changes
+        nothing (the model runs eagerly, as `run_pw_graph` would)."""
+        if self.installed or not self.graphs_enabled:
+            return self
+        if self.use_breakable:
+            self.breakable.install()
+        else:
+            self._installed = torch.compile(self.model.forward, backend=self.backend)
+            self.model.forward = self._installed
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Undo `install()`: the model's forward methods are what they were before."""
+        if not self.installed:
+            return
+        if self.use_breakable:
+            self.breakable.uninstall()
+        elif self.model.__dict__.get("forward") is self._installed:
+            del self.model.forward
+        self._installed, self.installed = None, False
+
+    def __enter__(self) -> "GraphManager":
+        """`with manager.install():` (or `with manager:`) uninstalls at the end of the block."""
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
 
     # -- what a model runner calls -------------------------------------------------------------
 
@@ -149,6 +189,10 @@ class GraphManager:
 
     def clear(self) -> None:
         """Release every graph of both paths and the pool; later calls capture again."""
+        if self.segments == "op_replay":
+            if self._breakable is not None:
+                self._breakable.clear()
+            return
         self.session.clear()
 
 
@@ -156,6 +200,13 @@ def _check_model(model: Any) -> None:
     fix = ("wrap it in a torch.nn.Module, or compile it with torch.compile(fn, backend=cgcompile.Backend())"
            if callable(model) else "pass the model to run")
     expect(isinstance(model, torch.nn.Module), "GraphManager: model", "a torch.nn.Module", model, fix)
+
+
+def _check_segments(segments: Any, use_breakable: bool) -> None:
+    expect(segments in SEGMENT_KINDS, "GraphManager: segments", f"one of {SEGMENT_KINDS}", segments)
+    expect(use_breakable or segments == "cuda_graphs", "GraphManager: segments",
+           "'cuda_graphs' on the compiled path", segments,
+           "set Config(use_breakable=True) to replay breakable segments op by op")
 
 
 def _check_boundary(model: torch.nn.Module, boundary: Any) -> None:

@@ -1,10 +1,15 @@
-"""Breakable CUDA graphs and the manager, against eager. Runs on the GPU machine only."""
+"""Breakable CUDA graphs and the manager, against eager. Runs on the GPU machine only.
+
+A signature is captured on the second call of a size that has it (the first is observed:
+run eagerly under the recorder); tests/test_breakable_cpu.py checks the same bookkeeping
+on the CPU with segments="op_replay"."""
 
 import pytest
 import torch
 from torch import nn
 
 import cgcompile
+from cgcompile.breakable_record import EagerStep
 from cgcompile.testing import SILLY_OP, ToyLlama
 
 from cuda_helpers import capture_error_in_own_process, private_pools
@@ -36,9 +41,9 @@ def test_toy_llama_equals_eager_at_padded_sizes(n, monkeypatch):
     for _ in range(3):
         ids = torch.randint(0, 128, (n,), device="cuda")
         torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
-    runner = manager.breakable
-    (entry,) = runner.graphs.values()
-    segments = [s for s in entry.steps if not isinstance(s, cgcompile.breakable._EagerStep)]
+    (runner,) = manager.breakable.runners
+    ((entry,),) = runner.graphs.values()  # the first call observed, the second captured, the third replayed
+    segments = [s for s in entry.steps if not isinstance(s, EagerStep)]
     assert len(segments) == 4 and len(entry.steps) == 7  # 3 silly attentions break 4 segments
 
 
@@ -122,21 +127,23 @@ def test_lazy_init_op_capture_state_is_separate_from_warmup():
     for size in SIZES:
         warm, capture = metas[(size, True)], metas[(size, False)]
         assert capture.buffer is not None and capture.buffer.data_ptr() != warm.buffer.data_ptr()
-    del metas  # the warm-up state is gone: replay must not depend on it
+        warm.buffer = None  # the warm-up state is gone: replay must not depend on it
+    capture_meta = metas[(4, False)]
+    del metas
     torch.cuda.empty_cache()
     garbage = torch.full((1 << 20,), float("nan"), device="cuda")
-    capture_meta = manager.breakable.graphs[4].inputs[1]
     x = torch.randn(3, 16, device="cuda")
     torch.testing.assert_close(manager.run_pw_graph(model, (x, capture_meta)), model(x, LazyMeta()))
     del garbage
 
 
-def test_changed_non_tensor_input_fails_loudly():
+def test_changed_non_tensor_input_is_another_signature_run_eagerly():
     model = LazyModel().cuda()
     manager = cgcompile.GraphManager(model, _config(), boundary=None)
-    manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"), LazyMeta()))
-    with pytest.raises(cgcompile.CaptureError, match="non-tensor input changed"):
-        manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"), LazyMeta()))
+    for _ in range(3):  # a new object every call: a new signature every call, never captured, always right
+        x = torch.randn(4, 16, device="cuda")
+        torch.testing.assert_close(manager.run_pw_graph(model, (x, LazyMeta())), model(x, LazyMeta()))
+    assert manager.breakable.graph_count() == 0
 
 
 def test_hf_llama_forward_equals_eager_at_padded_batches():
@@ -149,14 +156,15 @@ def test_hf_llama_forward_equals_eager_at_padded_batches():
     cfg._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(cfg).cuda().eval()
     manager = cgcompile.GraphManager(model, cgcompile.Config(capture_sizes=SIZES, use_breakable=True))
-    assert manager.breakable.module is model.model
+    assert [r.module for r in manager.breakable.runners] == list(model.model.layers)  # a graph per layer
     with torch.inference_mode():
-        for batch in (3, 4, 5, 3):
+        for batch in (3, 3, 4, 4, 5, 5, 3):  # a transformers model runs at exact batch sizes
             ids = torch.randint(0, 128, (batch, 8), device="cuda")
             out = manager.run_pw_graph(model, {"input_ids": ids, "use_cache": False})
             ref = model(input_ids=ids, use_cache=False)
             torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
-    assert set(manager.breakable.graphs) == {4, 8}
+    for runner in manager.breakable.runners:
+        assert sorted(runner.graphs) == [3, 4, 5]
 
 
 def test_pool_shared_between_compiled_and_breakable_paths():
@@ -175,18 +183,21 @@ def test_pool_shared_between_compiled_and_breakable_paths():
         torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
     pool = tuple(manager.session.pool.handle)
     assert private_pools() - before == {pool}
-    assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graphs
+    assert manager.backend.stats.graphs_captured > 0 and manager.breakable.graph_count() == 1
 
 
 def test_clear_then_recapture():
     model = _toy()
     manager = cgcompile.GraphManager(model, _config())
     ids = torch.randint(0, 128, (5,), device="cuda")
-    manager.run_pw_graph(model, (ids,))
+    for _ in range(2):  # observe, capture
+        manager.run_pw_graph(model, (ids,))
+    assert manager.breakable.graph_count() == 1
     manager.clear()
-    assert not manager.breakable.graphs and manager.graph_memory() == 0
-    torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
-    assert manager.breakable.graphs
+    assert manager.breakable.graph_count() == 0 and manager.graph_memory() == 0
+    for _ in range(2):
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+    assert manager.breakable.graph_count() == 1
 
 
 _FORKS_BEFORE_A_BREAK = """
@@ -207,7 +218,8 @@ manager = cgcompile.GraphManager(model, config, boundary=None)
 
 
 def test_unjoined_side_stream_before_a_break_is_a_clear_error():
-    capture = 'manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))'
+    # The first call is observed (eager, on the capture stream), the second captured.
+    capture = '[manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),)) for _ in range(2)]'
     out = capture_error_in_own_process(_FORKS_BEFORE_A_BREAK, capture)
     assert "CaptureError: capturing Forks[size 4] (segment before" in out, out
     assert "side stream" in out
@@ -237,7 +249,9 @@ def test_eager_break_that_changes_its_result_structure_fails_loudly():
     flip = Flip()
     model = FlipModel(flip).cuda()
     manager = cgcompile.GraphManager(model, _config(), boundary=None)
-    manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
+    for _ in range(2):  # observe, capture
+        manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
     flip.tuple_result = True
-    with pytest.raises(cgcompile.CaptureError, match="returned 2 tensors at replay but 1 at capture"):
+    with pytest.raises(cgcompile.CaptureError,
+                       match=r"eager step scale_or_pair: expected 1 tensor\(s\) in its result, as at capture .*got 2"):
         manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))

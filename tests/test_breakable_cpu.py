@@ -1,0 +1,271 @@
+"""Breakable graphs on the CPU: the runner's bookkeeping with segments="op_replay".
+
+op_replay records each segment's ops and re-runs them at replay on the tensors they were
+recorded with, copying results into the recorded outputs: what a CUDA graph does (fixed
+addresses, shapes and Python values frozen at capture), minus CUDA. So these tests check
+on the CPU what decides the breaks and the signatures, what a replay reads live, and that
+a stale replay is caught; tests/test_cuda_breakable*.py check the same with CUDA graphs.
+What only the GPU can check: capture itself (streams, the pool, memory reuse between
+graphs), and kernels that behave differently inside a graph.
+"""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import cgcompile
+from cgcompile.breakable_record import EagerStep
+from cgcompile.capture import Mode
+from cgcompile.testing import SILLY_OP, ToyLlama
+
+SIZES = (2, 4, 8, 16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add contention (SDPA took 16 ms a call with 2 threads, 9 us with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def manager_for(model, boundary=None, **config):
+    fields = dict(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True) | config
+    return cgcompile.GraphManager(model, cgcompile.Config(**fields), boundary=boundary, segments="op_replay")
+
+
+def runner_of(manager):
+    (runner,) = manager.breakable.runners
+    return runner
+
+
+def test_toy_llama_equals_eager_and_is_captured_on_the_second_call_of_a_size():
+    torch.manual_seed(0)
+    model = ToyLlama(3, hidden=32, vocab=64)
+    manager = manager_for(model)
+    runner = runner_of(manager)
+    counts = []
+    for n in (3, 3, 3, 4, 5, 5, 5):
+        ids = torch.randint(0, 64, (n,))
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
+        counts.append(runner.graph_count())
+    assert counts == [0, 1, 1, 1, 1, 2, 2]  # sizes 4 (n = 3 and 4) and 8 (n = 5)
+    entry = runner.graphs[4][0]
+    eager = [s for s in entry.steps if isinstance(s, EagerStep)]
+    assert len(eager) == 3 and len(entry.steps) == 7  # three attentions between four segments
+
+
+class HostCache:
+    """State an @eager_break function holds: read at call time, at capture and replay."""
+
+    def __init__(self):
+        self.keys = []
+
+
+@cgcompile.eager_break
+def attend(q, cache, mask):
+    """Appends q to the cache and attends over it: its result is [B, D] whatever the length."""
+    cache.keys.append(q.clone())
+    keys = torch.stack(cache.keys, 1)  # [B, L, D]
+    scores = (keys * q[:, None]).sum(-1) + mask  # [B, L]
+    return (scores.softmax(-1)[..., None] * keys).sum(1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cache):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.cache = cache
+
+    def forward(self, x, mask):  # x: [B, 8], mask: [B, L], read only by the eager break
+        return self.b(attend(self.a(x), self.cache, mask))
+
+
+def test_an_input_only_eager_breaks_read_is_live_its_length_free():
+    torch.manual_seed(0)
+    cache, reference_cache = HostCache(), HostCache()
+    model, reference = Decoder(cache), Decoder(reference_cache)
+    reference.load_state_dict(model.state_dict())
+    manager = manager_for(model)
+    for length in range(1, 8):
+        x, mask = torch.randn(3, 8), torch.randn(3, length)
+        torch.testing.assert_close(manager.run_pw_graph(model, (x, mask)), reference(x, mask))
+    runner = runner_of(manager)
+    assert runner.graph_count() == 1  # one graph, whatever the mask's length
+    assert len(cache.keys) == len(reference_cache.keys) == 7  # the eager break ran once per call
+
+
+def test_eager_steps_run_once_per_call_even_the_capturing_one():
+    calls = []
+
+    @cgcompile.eager_break
+    def count(x):
+        calls.append(1)
+        return x * 2
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.forward = lambda x: count(model[0](x))  # noqa: E731 - a tiny model with a break
+    manager = cgcompile.GraphManager(nn.Identity(), cgcompile.Config(use_breakable=True), boundary=None,
+                                     segments="op_replay")
+    runner = cgcompile.BreakableRunner(model, manager.config, manager.session, segments="op_replay")
+    for _ in range(4):  # observe, capture, replay, replay
+        runner(torch.randn(2, 4))
+    assert len(calls) == 4 and runner.graph_count() == 1
+
+
+class State:
+    k = None
+
+
+@cgcompile.eager_break
+def grow(x, state):
+    """The common mistake: returns the growing cache itself, which a captured op reads."""
+    state.k = x if state.k is None else torch.cat([state.k, x], 1)
+    return state.k  # [B, L]
+
+
+class Growing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 1)
+        self.state = State()
+
+    def forward(self, x):  # x: [B, 4]
+        return x * grow(self.a(x), self.state).mean(1, keepdim=True)  # the mean is captured
+
+
+def test_a_captured_op_reading_a_result_whose_shape_changed_raises():
+    model = Growing()
+    manager = manager_for(model)
+    manager.run_pw_graph(model, (torch.randn(4, 4),))  # observe
+    manager.run_pw_graph(model, (torch.randn(4, 4),))  # capture, with a cache of length 2
+    with pytest.raises(cgcompile.CaptureError, match=r"Growing\[size 4\]: eager step grow: expected a result of "
+                                                     r"shape \(4, 2\), as at capture \(a captured op reads it.*got "
+                                                     r"\(4, 3\); move the ops that read it into the eager break"):
+        manager.run_pw_graph(model, (torch.randn(4, 4),))
+
+
+class Meta:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+@cgcompile.eager_break
+def scale_by(x, meta):
+    return x * meta.scale
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, meta, flag=True):
+        y = scale_by(self.a(x), meta)
+        return y if flag else -y
+
+
+def test_a_changed_python_input_is_another_signature_not_an_error():
+    model, meta = Scaled(), Meta(2.0)
+    manager = manager_for(model)
+    runner = runner_of(manager)
+    for flag in (True, True, True, False, False, True):
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(manager.run_pw_graph(model, (x, meta, flag)), model(x, meta, flag))
+    assert runner.graph_count() == 2  # one per value of flag
+    other = Meta(-1.0)  # another object: its own signature; runs eagerly, correctly
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(manager.run_pw_graph(model, (x, other, True)), model(x, other, True))
+
+
+class Syncs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y * float(y.abs().max())  # .item(): a host sync inside what would be a segment
+
+
+def test_a_host_sync_in_a_segment_makes_the_call_uncapturable_not_wrong(caplog):
+    model = Syncs()
+    manager = manager_for(model)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for _ in range(4):
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+    assert runner_of(manager).graph_count() == 0
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "run eagerly" in warning and "_local_scalar_dense" in warning and "synchronises with the host" in warning
+
+
+class Flip:
+    tuple_result = False
+
+
+@cgcompile.eager_break
+def scale_or_pair(x, flip):
+    return (x * 2, x) if flip.tuple_result else x * 2
+
+
+class FlipModel(nn.Module):
+    def __init__(self, flip):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.flip = flip
+
+    def forward(self, x):
+        out = scale_or_pair(self.a(x), self.flip)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_an_eager_break_that_changes_its_result_structure_raises():
+    flip = Flip()
+    model = FlipModel(flip)
+    manager = manager_for(model)
+    for _ in range(2):  # observe, capture
+        manager.run_pw_graph(model, (torch.randn(4, 4),))
+    flip.tuple_result = True
+    with pytest.raises(cgcompile.CaptureError,
+                       match=r"eager step scale_or_pair: expected 1 tensor\(s\) in its result, as at capture .*got 2"):
+        manager.run_pw_graph(model, (torch.randn(4, 4),))
+
+
+def test_ahead_of_time_capture_observes_in_warm_up_and_captures_in_the_capture_run():
+    torch.manual_seed(0)
+    model = ToyLlama(2, hidden=32, vocab=64)
+    manager = manager_for(model)
+    runner = runner_of(manager)
+    for size in (8, 4):  # what GraphManager.capture does on a GPU, without its final synchronize
+        for mode in (Mode.WARMUP, Mode.CAPTURE):
+            with manager.session.mode_as(mode):
+                manager.run_breakable(torch.zeros(size, dtype=torch.long))
+    assert sorted(runner.graphs) == [4, 8]
+    ids = torch.randint(0, 64, (7,))
+    torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
+
+
+def test_clear_drops_graphs_and_later_calls_capture_again():
+    model = ToyLlama(1, hidden=32, vocab=64)
+    manager = manager_for(model)
+    for _ in range(2):
+        manager.run_pw_graph(model, (torch.randint(0, 64, (4,)),))
+    manager.clear()
+    assert manager.breakable.graph_count() == 0
+    for _ in range(2):  # the signature is still known: two calls in a row capture it
+        ids = torch.randint(0, 64, (4,))
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
+    assert manager.breakable.graph_count() == 1
+
+
+def test_segments_argument_is_checked():
+    with pytest.raises(cgcompile.ArgumentError, match=r"GraphManager: segments: expected one of \('cuda_graphs', "
+                                                      r"'op_replay'\), got 'ops'"):
+        cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=True), segments="ops")
+    with pytest.raises(cgcompile.ArgumentError, match="set Config\\(use_breakable=True\\)"):
+        cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=False), segments="op_replay")

@@ -1,0 +1,204 @@
+"""Hugging Face generate() on breakable graphs, on the CPU (segments="op_replay").
+
+The integration (cgcompile/integrations/transformers.py) gives each decoder layer a
+breakable graph with the cache update and attention as eager steps. With op_replay the
+layers replay their recorded ops at the tensors they were recorded with, as CUDA graphs
+would, so tokens equal to eager's here mean the breaks, the live inputs (mask, position
+ids, the cache object) and the signature rule are right; tests/test_cuda_breakable_hf.py
+checks the same with CUDA graphs.
+"""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, cache_utils, modeling_utils
+
+import cgcompile
+from cgcompile.breakable_record import EagerStep
+from cgcompile.integrations import integration_for
+from cgcompile.testing import ToyLlama
+
+from test_hf_generate import ARCHS, tiny_model
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add contention (SDPA took 16 ms a call with 2 threads, 9 us with 1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def breakable(model, **kw):
+    return cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True), segments="op_replay", **kw)
+
+
+def generate(model, ids, mask, seed=None, **kw):
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=seed is not None, **kw)
+
+
+def batch_prompt(batch: int):
+    """Random ids [B, 7] and their mask, left-padded: row i has min(i, 3) pad tokens."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 128, (batch, 7))
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, :min(row, 3)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_eager(arch, batch):
+    model = tiny_model(arch)
+    ids, mask = batch_prompt(batch)
+    expected = generate(model, ids, mask)
+    manager = breakable(model)
+    with manager.install():
+        first, second = generate(model, ids, mask), generate(model, ids, mask)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    runners = manager.breakable.runners
+    assert len(runners) == model.config.num_hidden_layers == 2
+    assert all(runner.graph_count() == 1 for runner in runners)  # one decode graph per layer; prefill eager
+    for runner in runners:  # two segments around the cache update and attention
+        ((entry,),) = runner.graphs.values()
+        assert [type(s).__name__ for s in entry.steps] == ["SegmentStep", "EagerStep", "EagerStep", "SegmentStep"]
+        assert [s.label for s in entry.steps if isinstance(s, EagerStep)] == ["DynamicCache.update",
+                                                                              "attention (sdpa)"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_sampled_tokens_equal_eager(arch, batch):
+    model = tiny_model(arch)
+    ids, mask = batch_prompt(batch)
+    expected = [generate(model, ids, mask, seed=s) for s in (1, 2)]
+    with breakable(model).install():
+        got = [generate(model, ids, mask, seed=s) for s in (1, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def snapshot(model) -> dict:
+    """What must be as it was after the manager: transformers' hooks and the model's forwards."""
+    interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    return {
+        "local attention overrides": dict(interface._local_mapping),
+        "global attention functions": dict(type(interface)._global_mapping),
+        "Cache functions": {k: v for k, v in vars(cache_utils.Cache).items() if callable(v)},
+        "DynamicCache functions": {k: v for k, v in vars(DynamicCache).items() if callable(v)},
+        "instance forwards": [name for name, m in model.named_modules() if "forward" in vars(m)],
+    }
+
+
+def test_hooks_are_installed_only_while_recording_and_leave_everything_as_it_was():
+    model = tiny_model("llama")
+    ids, mask = batch_prompt(2)
+    interface = modeling_utils.ALL_ATTENTION_FUNCTIONS
+    mine = interface["sdpa"]
+    interface["sdpa"] = mine  # a local override someone else made: it must survive
+    try:
+        before = snapshot(model)
+        manager = breakable(model)
+        manager.install()
+        installed = snapshot(model)
+        generate(model, ids, mask)
+        generate(model, ids, mask)
+        manager.uninstall()
+        after = snapshot(model)
+    finally:
+        del interface["sdpa"]
+    assert installed["instance forwards"] == [f"model.layers.{i}" for i in range(2)]
+    assert {k: v for k, v in installed.items() if k != "instance forwards"} == \
+        {k: v for k, v in before.items() if k != "instance forwards"}  # hooks only while recording
+    assert after == before
+    assert interface["sdpa"] is interface._global_mapping["sdpa"]
+
+
+def test_a_hook_observing_a_layer_gets_a_copy_of_its_output():
+    model = tiny_model("llama")
+    ids, mask = batch_prompt(2)
+    kw = dict(output_hidden_states=True, return_dict_in_generate=True)
+    expected = generate(model, ids, mask, **kw).hidden_states
+    with breakable(model).install():
+        got = generate(model, ids, mask, **kw).hidden_states
+    assert len(got) == len(expected) == NEW_TOKENS
+    for step, (a, b) in enumerate(zip(got, expected)):  # every step's states survive the steps after it
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+
+
+def test_the_issue_loop_run_pw_graph_with_a_dynamic_cache():
+    # The call that failed in issue 15: decode after prefill, through run_pw_graph, no install.
+    model = tiny_model("llama")
+    manager = breakable(model)
+    ids = torch.randint(3, 128, (1, 6))
+    cache, reference_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for _ in range(6):
+        out = manager.run_pw_graph(model, {"input_ids": ids, "past_key_values": cache, "use_cache": True})
+        ref = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
+        assert torch.equal(out.logits, ref.logits)
+        ids = ref.logits[:, -1:].argmax(-1)
+    assert "forward" not in vars(model.model.layers[0])  # installed for each call only
+    assert manager.breakable.graph_count() == 2
+
+
+def test_capturing_the_whole_stack_finds_decode_uncapturable_and_stays_correct(caplog):
+    # The stack's forward reads the cache length to build positions and masks: a graph
+    # would freeze them. The integration's guard sees the read and keeps those calls eager.
+    model = tiny_model("llama")
+    ids, mask = batch_prompt(1)
+    expected = generate(model, ids, mask)
+    manager = breakable(model, boundary=None)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"), manager.install():
+        assert torch.equal(generate(model, ids, mask), expected)
+        assert torch.equal(generate(model, ids, mask), expected)
+    assert manager.breakable.graph_count() == 0
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "no list of layers" in warnings and "host code read DynamicCache.get_seq_length()" in warnings
+
+
+def test_eager_attention_is_not_hookable_decode_runs_eagerly(caplog):
+    model = tiny_model("llama")
+    model.config._attn_implementation = "eager"
+    ids, mask = batch_prompt(2)
+    expected = generate(model, ids, mask)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        manager = breakable(model)
+        with manager.install():
+            assert torch.equal(generate(model, ids, mask), expected)
+    assert manager.breakable.graph_count() == 0
+    warnings = " ".join(r.getMessage() for r in caplog.records)
+    assert "attn_implementation='sdpa'" in warnings and "whose shape changes from call to call" in warnings
+
+
+def test_the_manager_routes_generate_through_the_chosen_path(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", "1")
+    manager = cgcompile.GraphManager(model, segments="op_replay")  # the environment chose breakable graphs
+    assert manager.use_breakable and manager.install() is manager and manager.installed
+    assert all("forward" in vars(layer) for layer in model.model.layers)
+    manager.uninstall()
+    assert not any("forward" in vars(m) for m in model.modules())
+    monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", "0")
+    compiled = cgcompile.GraphManager(model)  # compiled pieces; on the CPU graphs are off: install changes nothing
+    assert not compiled.use_breakable and not compiled.graphs_enabled
+    with compiled.install():
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_integrations_import_nothing_and_only_match_their_framework():
+    assert integration_for(ToyLlama(1)) is None
+    assert integration_for(tiny_model("gpt2")).__name__ == "cgcompile.integrations.transformers"
+    code = ("import sys, cgcompile\nfrom cgcompile.testing import ToyLlama\n"
+            "m = cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=True), segments='op_replay')\n"
+            "m.run_pw_graph(m.model, (cgcompile.testing.torch.zeros(3, dtype=cgcompile.testing.torch.long),))\n"
+            "print('transformers' in sys.modules, 'cgcompile.integrations.transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]
