@@ -118,7 +118,7 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     names = [v.name for v in program.outputs]
     outcome = Outcome("ok")
-    with torch.no_grad(), warnings.catch_warnings():
+    with _grad_mode(program), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in sizes:
             outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names)
@@ -126,7 +126,7 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
                 break
     if setup.device == "cuda":
         backend.clear()  # return the case's graph pool before the next case
-    if outcome.status == "error" and _rejected_by_dynamo(namespace, sizes[: sizes.index(outcome.size) + 1], setup.device):
+    if outcome.status == "error" and _rejected_by_dynamo(program, namespace, sizes[: sizes.index(outcome.size) + 1], setup.device):
         outcome = dataclasses.replace(outcome, status="invalid", detail=f"torch.compile rejects it too: {outcome.detail}")
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
     return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
@@ -150,13 +150,17 @@ def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> O
     return Outcome(status, n, compare(got, want, names))
 
 
-def _rejected_by_dynamo(namespace: dict, sizes: Sequence[int], device: str) -> bool:
+def _grad_mode(program: Program):
+    return torch.inference_mode() if program.inference_mode else torch.no_grad()
+
+
+def _rejected_by_dynamo(program: Program, namespace: dict, sizes: Sequence[int], device: str) -> bool:
     """Whether torch.compile with its own eager backend fails too: then the program (a
     construct Dynamo cannot trace whole), not cgcompile, is at fault."""
     torch._dynamo.reset()
     compiled = torch.compile(namespace["Model"]().to(device), backend="eager", fullgraph=True)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with _grad_mode(program), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for n in sizes:
                 compiled(*namespace["make_inputs"](n, device))
@@ -293,7 +297,7 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         f"model, reference = Model().to({setup.device!r}), Model().to({setup.device!r})  # equal: seeded",
         f"config = {setup.config_source()}",
         "compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)",
-        "with torch.no_grad():",
+        f"with torch.{'inference_mode' if program.inference_mode else 'no_grad'}():",
         f"    for n in {tuple(sizes)}:",
         f"        inputs = make_inputs(n, {setup.device!r})",
         "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4, equal_nan=True,",

@@ -42,6 +42,7 @@ class Var:
     shape: tuple[int | str, ...]
     base: str  # the tensor whose storage it views: its own name when fresh
     bound: int | str | None = None  # set for index (int64) tensors only
+    dtype: str = "float32"  # of a tensor that is not an index: float32, float64 or bool
 
     @property
     def is_index(self) -> bool:
@@ -89,6 +90,7 @@ class Program:
     steps: tuple[Step, ...]
     mode: str = "any"  # which productions it drew from (`MODES`)
     layout: str = "contiguous"  # of the float inputs (`LAYOUTS`)
+    inference_mode: bool = False  # run under torch.inference_mode(), else torch.no_grad()
 
     @property
     def productions(self) -> tuple[str, ...]:
@@ -165,9 +167,12 @@ class _Builder:
     def choice(self, options):
         return self.rng.choice(list(options))
 
-    def pick(self, accept: Callable[[Var], bool] = lambda v: True, *, index: bool = False) -> Var:
-        """A tensor that `accept`s, preferring recent ones (so programs form chains)."""
-        pool = [v for v in self.vars + self._defines if v.is_index == index and accept(v)]
+    def pick(self, accept: Callable[[Var], bool] = lambda v: True, *, index: bool = False,
+             dtype: str = "float32") -> Var:
+        """A tensor that `accept`s, preferring recent ones (so programs form chains): an
+        index tensor, or one of `dtype` (float32 unless a production asks otherwise)."""
+        pool = [v for v in self.vars + self._defines
+                if v.is_index == index and (index or v.dtype == dtype) and accept(v)]
         if not pool:
             raise Skip
         var = self.rng.choices(pool, weights=[(i + 1) ** 2 for i in range(len(pool))])[0]
@@ -179,17 +184,19 @@ class _Builder:
         self._params.append(Param(name, init, buffer))
         return f"self.{name}"
 
-    def define(self, expr: str, shape, *, bound=None, view_of: Var | None = None, ambiguous=False) -> Var:
-        return self.define_many(expr, [(shape, bound)], view_of=view_of, ambiguous=ambiguous)[0]
+    def define(self, expr: str, shape, *, bound=None, dtype="float32", view_of: Var | None = None,
+               ambiguous=False) -> Var:
+        return self.define_many(expr, [(shape, bound)], dtype=dtype, view_of=view_of, ambiguous=ambiguous)[0]
 
-    def define_many(self, expr: str, specs, *, view_of: Var | None = None, ambiguous=False) -> list[Var]:
+    def define_many(self, expr: str, specs, *, dtype="float32", view_of: Var | None = None,
+                    ambiguous=False) -> list[Var]:
         """`a, b = expr`, each spec a (shape, bound); outputs view `view_of` if given."""
         out = []
         for shape, bound in specs:
             if any(isinstance(d, int) and d > MAX_DIM for d in shape):
                 raise Skip
             name = f"{'i' if bound is not None else 't'}{next(self._names)}"
-            out.append(Var(name, tuple(shape), view_of.base if view_of else name, bound))
+            out.append(Var(name, tuple(shape), view_of.base if view_of else name, bound, dtype))
         if ambiguous:
             self._ambiguous.add(view_of.base)
         comment = ", ".join(_describe(v) for v in out)
@@ -213,7 +220,9 @@ class _Builder:
 
 def _describe(var: Var) -> str:
     shape = "[" + ", ".join(map(str, var.shape)) + "]"
-    return f"{shape} int < {var.bound}" if var.is_index else shape
+    if var.is_index:
+        return f"{shape} int < {var.bound}"
+    return shape if var.dtype == "float32" else f"{shape} {var.dtype}"
 
 
 # -- the grammar -----------------------------------------------------------------------------
@@ -328,6 +337,34 @@ def layer_norm(g):
     d = v.shape[-1]
     weight = g.choice(["", f", {g.param(f'1 + {_vector(d)}')}"])
     g.define(f"F.layer_norm({v}, ({d},){weight})", v.shape)
+
+
+# other dtypes: float64 and bool tensors, which may cross piece boundaries too
+
+
+@production("dtype")
+def to_double(g):
+    v = g.pick()
+    g.define(g.choice([f"{v}.double()", f"{v}.to(torch.float64)"]), v.shape, dtype="float64")
+
+
+@production("dtype", weight=8)
+def from_double(g):
+    v = g.pick(dtype="float64")
+    g.define(g.choice([f"({v} * 1.25).float()", f"torch.tanh({v}).to(torch.float32)"]), v.shape)
+
+
+@production("dtype")
+def mask(g):
+    v = g.pick()
+    g.define(f"{v} > {g.choice(['0', '0.5'])}", v.shape, dtype="bool")
+
+
+@production("dtype", weight=8)
+def apply_mask(g):
+    m = g.pick(dtype="bool")
+    v = g.pick(_same_shape(m))
+    g.define(g.choice([f"torch.where({m}, {v}, 0.0)", f"{v}.masked_fill({m}, -1.0)", f"{v} * {m}"]), v.shape)
 
 
 # views of dimensions other than the capture dimension
@@ -843,8 +880,10 @@ def generate(seed: int, max_steps: int = 10) -> Program:
             p = rng.choices(candidates, weights=[p.weight for p in candidates])[0]
             if builder.run(p.name, p.emit):
                 break
-    layout = rng.choices(list(LAYOUTS), weights=(6, 2, 2))[0]  # drawn last: earlier draws keep their programs
-    return Program(seed, inputs, tuple(builder.steps), mode, layout)
+    # Drawn last, so that adding them kept the programs earlier draws make:
+    layout = rng.choices(list(LAYOUTS), weights=(6, 2, 2))[0]
+    inference_mode = rng.random() < 0.3
+    return Program(seed, inputs, tuple(builder.steps), mode, layout, inference_mode)
 
 
 def _candidates(mode: str, mixing_step: bool, split: bool) -> list[Production]:
