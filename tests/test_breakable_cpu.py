@@ -9,6 +9,7 @@ What only the GPU can check: capture itself (streams, the pool, memory reuse bet
 graphs), and kernels that behave differently inside a graph.
 """
 
+import contextlib
 import logging
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.breakable_record import EagerStep
+from cgcompile.breakable_record import EagerStep, Recorder
+from cgcompile.breakable_signature import flatten_call
 from cgcompile.capture import Mode
 from cgcompile.testing import SILLY_OP, ToyLlama
 
@@ -189,7 +191,7 @@ class Syncs(nn.Module):
 
     def forward(self, x):
         y = self.a(x)
-        return y * float(y.abs().max())  # .item(): a host sync inside what would be a segment
+        return y * float(y.detach().abs().max())  # .item(): a host sync inside what would be a segment
 
 
 def test_a_host_sync_in_a_segment_makes_the_call_uncapturable_not_wrong(caplog):
@@ -269,3 +271,60 @@ def test_segments_argument_is_checked():
         cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=True), segments="ops")
     with pytest.raises(cgcompile.ArgumentError, match="set Config\\(use_breakable=True\\)"):
         cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=False), segments="op_replay")
+
+
+class FakeGraph:
+    def __init__(self, log):
+        self.log = log
+
+    def replay(self):
+        self.log.append("replay")
+
+
+class FakeSession:
+    """The CaptureSession calls CudaGraphSegments makes, logged; ops run eagerly on the CPU."""
+
+    def __init__(self):
+        self.log = []
+
+    def begin_graph(self):
+        self.log.append("begin")
+        return FakeGraph(self.log)
+
+    def end_graph(self, graph, name):
+        self.log.append(f"end {name.split('(segment before ')[1].rstrip(')')}")
+
+    def abandon(self, graph):
+        self.log.append("abandon")
+
+    def on_capture_stream(self):
+        self.log.append("capture stream")
+        return contextlib.nullcontext()
+
+
+def test_cuda_segments_begin_where_the_last_ended_and_replay_once_after_capture():
+    # What only the GPU runs, driven with a logging session: the order of the session's calls.
+    from cgcompile.breakable_segments import CudaGraphSegments
+
+    session = FakeSession()
+    model = ToyLlama(2, hidden=32, vocab=64)
+    leaves, structure = flatten_call((torch.zeros(4, dtype=torch.long),), {})
+    split_ops = cgcompile.Config(splitting_ops=(SILLY_OP,)).split_ops
+    recorder = Recorder("Toy[size 4]", CudaGraphSegments(session), split_ops, leaves, structure, model, {0})
+    with CudaGraphSegments(session).context():
+        with recorder:
+            model(*leaves)
+        recording = recorder.finish(None)
+    attention = "cgcompile_testing.silly_attention.default"
+    assert session.log == ["capture stream", "begin", f"end {attention}", "replay", "begin", f"end {attention}",
+                           "replay", "begin", "end the end of forward", "replay"]
+    assert [type(s).__name__ for s in recording.steps] == ["SegmentStep", "EagerStep"] * 2 + ["SegmentStep"]
+
+
+def test_an_empty_cuda_segment_is_ended_without_a_replay():
+    from cgcompile.breakable_segments import CudaGraphSegments
+
+    session = FakeSession()
+    segments = CudaGraphSegments(session)
+    assert segments.end(segments.begin(), "X (segment before y)", True) is None
+    assert session.log == ["begin", "end y"]
