@@ -470,6 +470,10 @@ def parse_args() -> argparse.Namespace:
     args.rounds = args.rounds or (2 if args.tiny else 5)
     args.compiler = args.compiler or ("inductor" if on_cuda else "eager")
     args.dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    if args.tiny and not on_cuda:
+        # A tiny model on a small CPU: intra-op threads only contend (SDPA took 16 ms a call with
+        # two threads, 9 us with one), and the noise made t(16 tokens) - t(1 token) negative.
+        torch.set_num_threads(1)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; choose from {list(VARIANTS)}")
