@@ -130,7 +130,8 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
         backend.clear()  # return the case's graph pool before the next case
     tried = sizes[: sizes.index(outcome.size) + 1] if outcome.status == "error" else ()
     if tried and _rejected_by_torch(program, namespace, tried, setup):
-        outcome = dataclasses.replace(outcome, status="invalid", detail=f"torch.compile rejects it too: {outcome.detail}")
+        detail = f"torch.compile rejects it too: {outcome.detail}"
+        outcome = dataclasses.replace(outcome, status="invalid", detail=detail)
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
     return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
 
@@ -224,7 +225,8 @@ def compare(got, want, names: Sequence[str]) -> str | None:
     """None when the compiled outputs match eager's (`error` at most 1), else the first
     output that differs, in words."""
     if not isinstance(got, (tuple, list)) or len(got) != len(want):
-        return f"returned {type(got).__name__} of {len(got) if isinstance(got, (tuple, list)) else 1}, eager {len(want)}"
+        count = len(got) if isinstance(got, (tuple, list)) else 1
+        return f"returned {type(got).__name__} of {count}, eager {len(want)}"
     for name, a, b in zip(names, got, want):
         if _tensor_error(a, b) > 1:
             return f"output {name}: {_describe_difference(a.detach().cpu(), b.detach().cpu())}"
@@ -238,7 +240,8 @@ def _describe_difference(a: torch.Tensor, b: torch.Tensor) -> str:
     bad = ~(torch.isclose(a, b, RTOL, ATOL * scale, equal_nan=True) if b.is_floating_point() else a == b)
     first = tuple(i.item() for i in bad.nonzero()[0])
     worst = f", max error {(a - b)[bad].abs().max().item():.3g}" if b.is_floating_point() else ""
-    return f"{bad.sum().item()} of {b.numel()} entries differ{worst}; first at {list(first)}: {a[first].item():.6g}, eager {b[first].item():.6g}"
+    where = f"first at {list(first)}: {a[first].item():.6g}, eager {b[first].item():.6g}"
+    return f"{bad.sum().item()} of {b.numel()} entries differ{worst}; {where}"
 
 
 # -- shrinking and reproducers ---------------------------------------------------------------
@@ -305,8 +308,8 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         f"with torch.{'inference_mode' if program.inference_mode else 'no_grad'}():",
         f"    for n in {tuple(sizes)}:",
         f"        inputs = make_inputs(n, {setup.device!r})",
-        "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4, equal_nan=True,",
-        "                                   msg=lambda m: f'n={n}: {m}')",
+        "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4,",
+        "                                   equal_nan=True, msg=lambda m: f'n={n}: {m}')",
         "print('ok')",
     ]
     return "\n".join(lines) + "\n" + HEADER + source(program) + "\n".join(harness) + "\n"
@@ -353,9 +356,11 @@ class Report:
             total = sum(by_status.values())
             detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
             lines.append(f"compiler={compiler}: {total} cases: {detail}")
-        lines.append(f"padded in {self.padded} cases; {self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
+        lines.append(f"padded in {self.padded} cases; {self.failures} failures in {len(self.classes)} classes, "
+                     f"{self.seconds:.0f} s")
         if self.recompiled:
-            lines.append(f"more Dynamo graphs than sizes need (specialized, fewer sizes share a graph): seeds {self.recompiled[:20]}")
+            lines.append(f"more Dynamo graphs than sizes need (specialized, fewer sizes share a graph): "
+                         f"seeds {self.recompiled[:20]}")
         for cls in self.classes:
             seeds = ", ".join(map(str, cls.seeds[:10])) + (" ..." if len(cls.seeds) > 10 else "")
             lines.append(f"  {cls.name}: {len(cls.seeds)} cases ({'/'.join(sorted(cls.compilers))}), seeds {seeds}")

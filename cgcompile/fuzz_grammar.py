@@ -382,7 +382,8 @@ def unflatten(g):
     if pair is None:
         raise Skip
     a, b = pair
-    form = g.choice([f"{v}.unflatten(-1, ({a}, {b}))", f"{v}.view(-1, {a}, {b})", f"{v}.reshape({v}.shape[0], {a}, {b})"])
+    form = g.choice([f"{v}.unflatten(-1, ({a}, {b}))", f"{v}.view(-1, {a}, {b})",
+                     f"{v}.reshape({v}.shape[0], {a}, {b})"])
     g.define(form, (N, a, b), view_of=v, ambiguous="reshape" in form)
 
 
@@ -523,8 +524,10 @@ def reduce_multi(g):
 def norm_rows(g):
     """Statistics over the batch: batch norm in training mode, normalizing over dim 0."""
     v = g.pick(lambda v: v.rows and (len(v.shape) == 2 or len(v.shape) == 3 and v.shape[2] > 1))
-    form = [f"F.normalize({v}, dim=0)"] + ([f"F.batch_norm({v}, None, None, training=True)"] if len(v.shape) == 3 else [])
-    g.define(g.choice(form), v.shape)
+    forms = [f"F.normalize({v}, dim=0)"]
+    if len(v.shape) == 3:
+        forms.append(f"F.batch_norm({v}, None, None, training=True)")
+    g.define(g.choice(forms), v.shape)
 
 
 @production("reduction", mixes_rows=True)
@@ -875,7 +878,8 @@ def generate(seed: int, max_steps: int = 10) -> Program:
     mixing_step = rng.randrange(length) if mode == "one_mixing" else None
     split_at_start, split_at_end = rng.random() < 0.2, rng.random() < 0.2
     for i in range(length):
-        candidates = _candidates(mode, i == mixing_step, (i == 0 and split_at_start) or (i == length - 1 and split_at_end))
+        forced_split = (i == 0 and split_at_start) or (i == length - 1 and split_at_end)
+        candidates = _candidates(mode, i == mixing_step, forced_split)
         for _ in range(20):
             p = rng.choices(candidates, weights=[p.weight for p in candidates])[0]
             if builder.run(p.name, p.emit):
@@ -946,7 +950,10 @@ def _tuple_source(items) -> str:
     return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
 
 
-HEADER = "import torch\nimport torch.nn.functional as F\n\nimport cgcompile\nimport cgcompile.testing  # registers the split ops\n\n\n"
+HEADER = (
+    "import torch\nimport torch.nn.functional as F\n\n"
+    "import cgcompile\nimport cgcompile.testing  # registers the split ops\n\n\n"
+)
 
 
 def load(program: Program) -> dict:
