@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks that CI cannot run, in one call on the lent GPU machine: the cuda-marked
+# tests, the differential padding fuzzer and the fp32 model zoo, run side by side (the GPU
+# is shared by correctness jobs only; nothing here is timed). Logs and JSON go to
+# $OUT/verify.tgz; the summary is printed.
+#
+#   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a folder for the logs}
+LIMIT=${1:-500}
+LOGS=$(mktemp -d)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1
+
+job() {  # job NAME COMMAND...: run in the background under the time limit, log to $LOGS/NAME.log
+  local name=$1; shift
+  (timeout "$LIMIT" "$@" >"$LOGS/$name.log" 2>&1; echo "$name exit $?" >>"$LOGS/status.txt") &
+}
+
+job pytest python3 -m pytest -q -m cuda -p no:cacheprovider \
+  --ignore=tests/test_model_zoo.py --ignore=tests/test_padding_fuzz.py
+job fuzz_eager python3 -m cgcompile.fuzz --cases 400 --seed 1000 --device cuda --compiler eager
+job fuzz_inductor python3 -m cgcompile.fuzz --cases 40 --seed 2000 --device cuda --compiler inductor
+job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \
+  --models llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3,phi,phi3,stablelm
+job zoo_b python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_b.json" \
+  --models olmo2,cohere,granite,starcoder2,gpt2,gptj,gpt_neox,opt,falcon,bloom
+job zoo_c python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_c.json" --models moe,seq2seq
+job zoo_d python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_d.json" --models encoder,vision
+wait
+sort "$LOGS/status.txt"
+for log in "$LOGS"/*.log; do echo "== $(basename "$log")"; tail -n 4 "$log"; done
+tar -czf "$OUT/verify.tgz" -C "$LOGS" .
