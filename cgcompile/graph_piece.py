@@ -26,7 +26,7 @@ from .capture import CaptureSession, Mode, output_key, weak_alias
 from .errors import CaptureError
 from .layout import TracedLayout
 from .padding import StepSize
-from .passes import example_value
+from .passes import example_value, written_inputs
 from .runtime import PieceRunner
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class PieceLayout:
     size_inputs: tuple[int, ...]  # SymInt inputs equal to the capture symbol
     by_address: tuple[bool, ...]  # per input: parameter/buffer, captured by address
     output_dims: tuple[tuple[int, ...], ...]
+    written: tuple[int, ...] = ()  # inputs the piece writes into (a buffer's running statistic)
 
 
 def piece_layout(spec, symbol: sympy.Symbol | None, static_inputs: frozenset[str]) -> PieceLayout | str:
@@ -67,7 +68,8 @@ def piece_layout(spec, symbol: sympy.Symbol | None, static_inputs: frozenset[str
         if isinstance(dims, str):
             return f"output {k}: {dims}"
         output_dims.append(dims)
-    return PieceLayout(tuple(input_dims), tuple(size_inputs), tuple(by_address), tuple(output_dims))
+    return PieceLayout(tuple(input_dims), tuple(size_inputs), tuple(by_address), tuple(output_dims),
+                       written_inputs(spec.graph))
 
 
 def _dims_of(value, symbol) -> tuple[int, ...] | str:
@@ -190,11 +192,11 @@ class CudaGraphPiece(PieceRunner):
         mode = self.session.mode
         if mode is Mode.WARMUP:
             self._warmed.add(size)
-            outputs = self.session.warm_up(self.fn, *padded)
+            outputs = self._warm_up(padded)
             return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
         if entry is None:
             if mode is Mode.LAZY or size not in self._warmed:  # never capture a cold piece
-                self.session.warm_up(self.fn, *padded)
+                self._warm_up(padded)
             try:
                 return self._capture(padded, in_place, n, size)
             except CaptureError as error:
@@ -202,6 +204,16 @@ class CudaGraphPiece(PieceRunner):
                     raise
                 return self.recover(self, args, padded, error)
         return self._replay(entry, args, n, size)
+
+    def _warm_up(self, padded: list):
+        """Run once before capture, leaving the inputs the piece writes into as they were:
+        the replay that follows the capture is the call's one update of a buffer."""
+        saved = [(padded[i], padded[i].clone()) for i in self.layout.written
+                 if isinstance(padded[i], torch.Tensor)]
+        outputs = self.session.warm_up(self.fn, *padded)
+        for tensor, before in saved:
+            tensor.copy_(before)
+        return outputs
 
     def _padded_args(self, args, n: int, size: int) -> tuple[list, set[int]]:
         """Inputs at the capture size, and which inputs are live graph outputs used in place."""

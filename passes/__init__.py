@@ -13,7 +13,7 @@ from .graph_values import example_value, tensors_in
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards
 from .split import PieceSpec, SplitGraph, split_graph
-from .split_rule import SplitReason, classify_nodes, is_floating
+from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
 
 __all__ = [
     "CaptureDim",
@@ -31,4 +31,5 @@ __all__ = [
     "is_floating",
     "split_graph",
     "tensors_in",
+    "written_inputs",
 ]

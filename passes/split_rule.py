@@ -207,6 +207,19 @@ def mutated_base(node: Node) -> tuple[Any, Node | None]:
     return target, _view_base(target)
 
 
+def written_inputs(gm: GraphModule) -> tuple[int, ...]:
+    """Positions of the placeholders of `gm` that some op writes into, directly or through
+    a view: the inputs a run of `gm` changes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method"):
+            _, base = mutated_base(node)
+            if base is not None and base.op == "placeholder":
+                written.add(placeholders.index(base))
+    return tuple(sorted(written))
+
+
 def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
                         written_views: set[Node]) -> tuple[str, str] | None:
     """An in-place write into a value made before the last eager node, or a view of such

@@ -207,3 +207,30 @@ def test_unjoined_side_stream_fails_naming_the_piece():
     out = capture_error_in_own_process(_FORK_WITHOUT_JOIN, capture)
     assert "CaptureError: capturing my_piece failed" in out, out
     assert "side stream" in out
+
+
+class _RunningMean(torch.nn.Module):
+    """A buffer a capturable piece updates in place (as batch norm's running mean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):  # x: [n, 8]
+        h = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        self.mean.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return h * self.mean
+
+
+def test_a_buffer_the_piece_updates_changes_once_per_call_also_when_capturing():
+    # The warm-up run before a capture used to update the buffer a second time.
+    torch._dynamo.reset()
+    model, reference = _RunningMean().cuda(), _RunningMean().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=SIZES))
+    compiled = torch.compile(model, backend=backend)
+    for n in (4, 4, 3, 8, 4):  # capture, replay, exact or padded, capture, replay
+        x = torch.randn(n, 8, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), reference(x))
+        torch.testing.assert_close(model.mean, reference.mean)
+    assert backend.stats.graphs_captured >= 2

@@ -151,3 +151,19 @@ def test_tensor_from_a_python_list_is_a_host_to_device_copy():
         on_accelerator=False, mutable_inputs=frozenset(),
     )
     assert off_accelerator == {}  # on CPU nothing is copied, and nothing is captured anyway
+
+
+def test_written_inputs_names_the_buffers_a_piece_updates():
+    # A capturable piece may write into a buffer (captured by address); its warm-up before
+    # capture must then be undone, and `written_inputs` is how the runtime knows.
+    from cgcompile.passes import written_inputs
+
+    def f(x, stats, other):
+        stats[:4].mul_(0.9)  # through a view
+        stats.add_(x.mean(0))
+        y = x * other
+        y.add_(1)  # an intermediate: not an input
+        return y
+
+    gm = torch.fx.symbolic_trace(f)
+    assert written_inputs(gm) == (1,)
