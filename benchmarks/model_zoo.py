@@ -563,6 +563,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated names (see --list) or kinds {KINDS}; default: all")
     parser.add_argument("--speed", action="store_true", help="time batch 1 against eager (use --dtype bfloat16)")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds with --speed")
+    parser.add_argument("--sizes", default=None,
+                        help="comma-separated batch sizes / item counts for every model "
+                             "(default: 1,3 for language models, 1,3,8 for encoders); "
+                             "--speed --sizes 1 times batch 1 without compiling the other sizes")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
@@ -583,7 +587,11 @@ def select(words: list[str]) -> list[str]:
 
 
 def options_from(args: argparse.Namespace) -> Options:
-    return Options(device=args.device, dtype=getattr(torch, args.dtype),
+    chosen = {}
+    if args.sizes:
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+        chosen = {"lm_batches": sizes, "encoder_sizes": sizes}
+    return Options(**chosen, device=args.device, dtype=getattr(torch, args.dtype),
                    compiler=args.compiler or ("inductor" if args.device == "cuda" else "eager"),
                    new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds)
 
