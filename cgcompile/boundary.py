@@ -71,7 +71,8 @@ def resolve_boundary(model: nn.Module, boundary) -> nn.Module:
     if module is None:
         children = [name for name, _ in model.named_children()]
         raise ConfigError(
-            f"boundary: {type(model).__name__} has no submodule {boundary!r}; its children are {children}"
+            f"boundary: expected the attribute path of a submodule of {type(model).__name__}, got "
+            f"{boundary!r}, which names none; its children are {children}"
         )
     return module
 

@@ -81,8 +81,8 @@ def _lookup(name: str) -> Any:
         return getattr(packet, overload) if overload else packet
     except (AttributeError, RuntimeError) as e:
         raise ConfigError(
-            f"splitting_ops: no op named {name!r} is registered; check the spelling, and import "
-            f"the library that defines it before building the Config"
+            f"splitting_ops: expected a registered op, got {name!r}, which is not registered; check "
+            f"the spelling, and import the library that defines it before building the Config"
         ) from e
 
 

@@ -53,9 +53,9 @@ def test_default_split_set():
 
 
 def test_unknown_op_name():
-    with pytest.raises(ConfigError, match=r"no op named 'mylib::no_such_op' is registered; check the spelling"):
+    with pytest.raises(ConfigError, match=r"got 'mylib::no_such_op', which is not registered; check the spelling"):
         Config(splitting_ops=["mylib::no_such_op"])
-    with pytest.raises(ConfigError, match=r"no op named 'aten::mm.no_such_overload'"):
+    with pytest.raises(ConfigError, match=r"got 'aten::mm.no_such_overload', which is not registered"):
         Config(splitting_ops=["aten::mm.no_such_overload"])
 
 
