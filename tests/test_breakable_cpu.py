@@ -25,13 +25,7 @@ from cgcompile.testing import SILLY_OP, ToyLlama
 SIZES = (2, 4, 8, 16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add contention (SDPA took 16 ms a call with 2 threads, 9 us with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def manager_for(model, boundary=None, **config):

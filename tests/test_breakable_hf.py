@@ -26,13 +26,7 @@ from test_hf_generate import ARCHS, tiny_model
 NEW_TOKENS = 8
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add contention (SDPA took 16 ms a call with 2 threads, 9 us with 1)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def breakable(model, **kw):

@@ -17,15 +17,10 @@ from test_hf_generate import ARCHS, tiny_model
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("exact_fp32_matmuls"),
 ]
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 def cuda_model(arch: str):

@@ -24,15 +24,10 @@ from test_hf_generate import (
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("exact_fp32_matmuls"),
 ]
 
 
-@pytest.fixture(autouse=True)
-def exact_fp32_matmuls():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would make eager and graphs differ in rounding
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 # Dynamo graphs per generate() (test_hf_generate.py's docstring says which three). Mistral
