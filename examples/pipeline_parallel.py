@@ -54,7 +54,7 @@ def run_stage(args, device):
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"], capture_sizes=sizes,
                                                  compiler="eager" if device.type == "cpu" else "inductor",
                                                  reuse_output_buffers=True))
-    compiled = torch.compile(model, backend=backend, dynamic=True)
+    compiled = torch.compile(model, backend=backend)
     hidden = {"hidden": TensorSpec((cfg.hidden,), torch.float32)}
     tokens = {"tokens": TensorSpec((), torch.int64)}
     stage = PipelineStage(receives=tokens if rank == 0 else hidden, sends=tokens if rank == world - 1 else hidden,
