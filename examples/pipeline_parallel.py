@@ -53,6 +53,7 @@ def run_stage(args, device):
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= mb) + ((mb,) if mb not in (1, 2, 4, 8, 16, 32, 64) else ())
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"], capture_sizes=sizes,
                                                  compiler="eager" if device.type == "cpu" else "inductor",
+                                                 capture_error_mode="thread_local",  # NCCL watchdog threads
                                                  reuse_output_buffers=True))
     compiled = torch.compile(model, backend=backend)
     hidden = {"hidden": TensorSpec((cfg.hidden,), torch.float32)}

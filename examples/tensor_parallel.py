@@ -49,7 +49,8 @@ def decode(args, device):
     model = TensorParallelDecoder(build_llama(args, device))
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"],
                                                  capture_sizes=(1, 2, 4, 8),
-                                                 compiler="eager" if device.type == "cpu" else "inductor"))
+                                                 compiler="eager" if device.type == "cpu" else "inductor",
+                                                 capture_error_mode="thread_local"))  # NCCL watchdog threads
     compiled = torch.compile(model, backend=backend)
     prepare_collectives(device)
     check_same_rows("tensor_parallel", args.batch)
