@@ -46,7 +46,7 @@ _load_passes_beside_the_package()
 from .backend import Backend, CaptureMemoryProfile  # noqa: E402  (after the passes are importable)
 from .breakable import BreakableRunner, eager_break  # noqa: E402
 from .config import Config  # noqa: E402
-from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError  # noqa: E402
+from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError  # noqa: E402
 from .manager import GraphManager  # noqa: E402
 from .piece import BackendStats, Piece  # noqa: E402
 from .pool import GraphPool  # noqa: E402
@@ -61,6 +61,7 @@ __all__ = [
     "CGCompileError",
     "Config",
     "ConfigError",
+    "DistributedError",
     "GraphManager",
     "GraphPool",
     "Piece",

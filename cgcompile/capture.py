@@ -90,6 +90,23 @@ class CaptureSession:
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        # Buffers that live as long as their owner (a pipeline stage's intermediate
+        # buffers), by (address, stride): a piece captured with one of them as an input
+        # reads it in place, so whoever fills the buffer feeds the graph with no copy.
+        self._persistent: dict[tuple, torch.Tensor] = {}
+
+    def register_persistent_input(self, buffer: torch.Tensor) -> None:
+        """Let graphs read `buffer`, or any leading slice `buffer[:k]`, in place.
+
+        The caller owns `buffer` and keeps it alive, at this address, for as long as
+        graphs of this session replay (they hold no reference to it)."""
+        self._persistent[(buffer.data_ptr(), buffer.stride()[1:])] = buffer
+
+    def is_persistent(self, arg: torch.Tensor, padded_shape: tuple[int, ...]) -> bool:
+        """Whether `arg` starts a registered buffer whose rows cover `padded_shape`."""
+        buffer = self._persistent.get((arg.data_ptr(), arg.stride()[1:])) if arg.dim() else None
+        return (buffer is not None and buffer.dtype == arg.dtype and buffer.stride() == arg.stride()
+                and tuple(buffer.shape[1:]) == tuple(padded_shape[1:]) and padded_shape[0] <= buffer.shape[0])
 
     @classmethod
     def for_config(cls, config, *, pool=None, sizes: tuple[int, ...] | None = None) -> "CaptureSession":

@@ -62,3 +62,35 @@ def reset_generators_after_failed_capture() -> None:
     for generator in torch.cuda.default_generators:
         if hasattr(generator, "graphsafe_set_state"):
             generator.graphsafe_set_state(generator.clone_state())
+
+
+def allocate_in_pool(pool, allocate):
+    """Run `allocate()` with this thread's CUDA allocations routed to the graph pool `pool`
+    (a handle from torch.cuda.graph_pool_handle), as torch.cuda.use_mem_pool does for a
+    MemPool: the pool's use count is raised for the allocation and lowered after it."""
+    device = torch.cuda.current_device()
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+    try:
+        return allocate()
+    finally:
+        torch._C._cuda_endAllocateToPool(device, pool)
+        torch._C._cuda_releasePool(device, pool)
+
+
+def process_group_backend(group_name: str, device_type: str) -> str | None:
+    """The backend ("nccl", "gloo") that the process group a functional collective names
+    uses for `device_type`, or None when torch.distributed cannot resolve it."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        group = _resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    for entry in dist.get_backend_config(group).split(","):
+        kind, _, name = entry.partition(":")
+        if kind == device_type:
+            return name
+    return None

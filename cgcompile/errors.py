@@ -34,6 +34,11 @@ class CaptureError(CGCompileError, RuntimeError):
     be captured here at all (no CUDA, or CUDA graphs turned off)."""
 
 
+class DistributedError(CGCompileError, RuntimeError):
+    """A process group, a rank's call or a tensor crossing between ranks is not what the
+    other ranks expect; the message names the rank (and the tensor)."""
+
+
 def expected(culprit: str, wanted: str, got: Any, fix: str = "", *, raw: bool = False) -> str:
     """The message "culprit: expected wanted, got <got>; fix" (`raw`: got is already text)."""
     text = f"{culprit}: expected {wanted}, got {got if raw else describe(got)}"

@@ -8,7 +8,8 @@ Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture di
   - otherwise the graph of size N is captured on first use.
   - inputs that are parameters or buffers are captured by address (never copied);
     an input whose address and strides equal the captured ones (the output of the
-    previous piece's graph) is used in place; any other input is copied into the
+    previous piece's graph, or a registered persistent buffer such as a pipeline
+    stage's intermediate buffer) is used in place; any other input is copied into the
     captured buffer, whose padding rows are zeroed first.
   - outputs are the graph's static buffers narrowed to n rows: they stay valid until
     the next replay of the same graph.
@@ -223,7 +224,8 @@ class CudaGraphPiece(PieceRunner):
             if not isinstance(arg, torch.Tensor):
                 continue
             shape = _padded_shape(arg, dims, size)
-            live = self.session.live_outputs.get(output_key(arg, shape)) is not None
+            live = (self.session.live_outputs.get(output_key(arg, shape)) is not None
+                    or self.session.is_persistent(arg, shape))
             if live and self.traced.has_layout(i, arg, size):
                 padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
                 in_place.add(i)

@@ -12,6 +12,9 @@ Rules, in order:
                 the op builds an accelerator tensor from host data (`torch.tensor(list,
                 device="cuda")`): a copy from host memory that a graph cannot replay
   cpu_tensor    the graph runs on an accelerator but this op computes on the CPU
+  collective    the graph runs on an accelerator and a functional collective (or the
+                wait for one) uses a process group whose backend there is not NCCL:
+                only NCCL kernels can be captured (gloo copies through the host)
   dynamic_shape an input or output shape depends on a symbolic size that is not the
                 capture dimension (a growing KV cache's length, data-dependent sizes)
   dynamic_scalar the op reads the value of such a symbolic size as a scalar argument
@@ -33,7 +36,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from ..compat import free_symbols
+from ..compat import free_symbols, process_group_backend
 from .graph_values import example_value, is_size_value, is_view_op, tensors_in
 
 
@@ -109,6 +112,9 @@ def _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) -> tuple[s
         return "host_sync", sync
     if is_floating(node):
         return None
+    collective = _collective_rule(node) if on_accelerator else None
+    if collective:
+        return "collective", collective
     outputs = tensors_in(example_value(node))
     return (
         _device_rule(node, outputs, on_accelerator)
@@ -128,6 +134,35 @@ def _host_sync(node: Node) -> str | None:
         if name in _HOST_SYNC_ATEN:
             return f"{name} copies device data to the host"
     return None
+
+
+def _collective_rule(node: Node) -> str | None:
+    """Why a functional collective, or the wait for one, cannot be captured (None if it can)."""
+    collective = _waited_collective(node)
+    if collective is None:
+        return None
+    schema = collective.target._schema
+    names = [a.name for a in schema.arguments]
+    group = collective.kwargs.get("group_name")
+    if group is None and "group_name" in names and names.index("group_name") < len(collective.args):
+        group = collective.args[names.index("group_name")]
+    devices = {t.device.type for t in tensors_in(example_value(collective))} or {"cuda"}
+    backend = process_group_backend(group, devices.pop()) if isinstance(group, str) else None
+    if backend == "nccl":
+        return None
+    return (f"{schema.name} on process group {group!r} with backend {backend or 'unknown'}: "
+            f"only NCCL collectives can be captured in a CUDA graph")
+
+
+def _waited_collective(node: Node) -> Node | None:
+    """The `_c10d_functional` collective `node` runs or waits for (None for other ops)."""
+    name = getattr(getattr(node.target, "_schema", None), "name", "") if node.op == "call_function" else ""
+    if not name.startswith("_c10d_functional::"):
+        return None
+    if name == "_c10d_functional::wait_tensor":
+        source = node.args[0] if node.args else None
+        return _waited_collective(source) if isinstance(source, Node) else None
+    return node
 
 
 def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) -> tuple[str, str] | None:

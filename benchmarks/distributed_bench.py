@@ -1,0 +1,215 @@
+"""Decode on 2 GPUs (issue 19): tensor parallel and pipeline parallel with cgcompile.
+
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
+    torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
+
+Variants, each on the decode model of decode_model.py with random weights:
+    tp2-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
+                    compiled with cgcompile on both ranks: step time at batch 1, 8, 64
+    tp2-eager       the same model, eager
+    tp1-cgcompile   the unsharded model compiled with cgcompile on rank 0 alone
+    pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
+                    (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
+    pp2-eager       the same stages, eager
+    single          tp1-cgcompile's throughput at batch 64 (tokens/s = 64 / step time)
+
+Method: one process per GPU; every variant is compiled, captured and warmed up on
+--warmup steps before timing; TP step time is the median of --steps steps, each timed
+with a host clock after torch.cuda.synchronize (both ranks run the same steps); PP
+throughput is batch x steps over the wall time of --steps decode steps of both
+micro-batches, synchronised at both ends. The cache holds FILL positions before the
+first step and grows by one per step. Ratios, not absolute numbers, are the verdicts:
+  TP: tp1-cgcompile / tp2-cgcompile >= 1.6 at batch 1 (8b); tp2-eager / tp2-cgcompile >= 4
+  PP: pp2-cgcompile / pp2-eager >= 1.6; pp2-cgcompile / single >= 1.3 (tokens/s, batch 64)
+Rank 0 prints one JSON line per measurement and the ratios at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cgcompile  # noqa: E402
+from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
+                                     use_length_independent_attention_kernels)
+from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
+from cgcompile.distributed import prepare_collectives  # noqa: E402
+from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+
+CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
+FILL = 256
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--models", default="8b,1b")
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
+    args = p.parse_args()
+    if args.tiny:
+        args.models, args.steps, args.warmup = "tiny", 3, 2
+    return args
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_backend(device, reuse=False):
+    cuda = device.type == "cuda"
+    return cgcompile.Backend(cgcompile.Config(
+        splitting_ops=["cgbench::decode_attention"], capture_sizes=(1, 8, 32, 64),
+        compiler="inductor" if cuda else "eager", capture_error_mode="thread_local", reuse_output_buffers=reuse))
+
+
+def build_llama(cfg, device, dtype):
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            llama = Llama(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    llama.fill_caches(FILL)
+    return llama
+
+
+def step_times(fn, device, batch, args, group_sync=True):
+    """Median seconds per call of fn(ids, start) after warm-up."""
+    ids = torch.arange(batch, device=device) % 100
+    times, start = [], FILL
+    for i in range(args.warmup + args.steps):
+        if group_sync:
+            dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        fn(ids, start)
+        sync(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        start += 1
+    return statistics.median(times)
+
+
+def tensor_parallel(llama, device, args, report):
+    model = TensorParallelDecoder(llama)
+    prepare_collectives(device)
+    compiled = torch.compile(model, backend=make_backend(device))
+    for batch in map(int, args.batches.split(",")):
+        for name, fn in (("tp2-cgcompile", compiled), ("tp2-eager", model)):
+            report(name, batch, step_s=step_times(fn, device, batch, args))
+    del model, compiled
+    torch._dynamo.reset()
+    if dist.get_rank() == 0:
+        single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
+        for batch in map(int, args.batches.split(",")):
+            report("tp1-cgcompile", batch, step_s=step_times(single, device, batch, args, group_sync=False))
+        del single
+        torch._dynamo.reset()
+    dist.barrier()
+
+
+def pipeline(llama, cfg, device, dtype, args, report, batch=64):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mb = batch // world
+    model = StageDecoder(llama, stage_layers(cfg.layers, world, rank))
+    for name in ("pp2-cgcompile", "pp2-eager"):
+        backend = make_backend(device, reuse=True) if name == "pp2-cgcompile" else None
+        run = torch.compile(model, backend=backend) if backend else model
+        hidden = {"hidden": TensorSpec((cfg.hidden,), dtype)}
+        tokens = {"tokens": TensorSpec((), torch.int64)}
+        stage = PipelineStage(receives=tokens if rank == 0 else hidden, sends=tokens if rank == world - 1 else hidden,
+                              max_rows=64, device=device, backend=backend)
+        stage.connect()
+        first = torch.arange(batch, device=device) % 100
+
+        def decode(steps, base):
+            received = None
+            for tick in ring_schedule(world, rank, steps * world):
+                outputs = None
+                if tick.item is not None:
+                    micro, step = tick.item % world, tick.item // world
+                    x = first[micro * mb:(micro + 1) * mb] if rank == 0 and step == 0 else \
+                        received["tokens" if rank == 0 else "hidden"]
+                    outputs = {"tokens" if rank == world - 1 else "hidden": run(x, base + step, micro * mb)}
+                received = stage.exchange(outputs, mb if tick.receive else None)
+
+        decode(args.warmup, FILL)
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        decode(args.steps, FILL + args.warmup)
+        sync(device)
+        dist.barrier()
+        report(name, batch, tokens_per_s=batch * args.steps / (time.perf_counter() - t0))
+        torch._dynamo.reset()
+
+
+def main():
+    args = parse_args()
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        use_length_independent_attention_kernels()
+    dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
+    rows = []
+
+    for model_name in args.models.split(","):
+        cfg = CONFIGS[model_name]
+
+        def report(variant, batch, **values):
+            row = {"model": model_name, "variant": variant, "batch": batch, **values}
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(json.dumps(row), flush=True)
+
+        with torch.inference_mode():
+            llama = build_llama(cfg, device, dtype)
+            tensor_parallel(llama, device, args, report)
+            llama.fill_caches(FILL)
+            pipeline(llama, cfg, device, dtype, args, report)
+            del llama
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        print_ratios(rows)
+    sync(device)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def print_ratios(rows):
+    def value(model, variant, batch, key):
+        return next((r[key] for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
+
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for batch in sorted({r["batch"] for r in rows if r["variant"] == "tp2-cgcompile" and r["model"] == model}):
+            tp2, eager, tp1 = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile", "tp2-eager", "tp1-cgcompile"))
+            print(f"{model} batch {batch}: tp1-cgcompile/tp2-cgcompile {tp1 / tp2:.2f}x (target >= 1.6 at 8b batch 1), "
+                  f"tp2-eager/tp2-cgcompile {eager / tp2:.2f}x (target >= 4)")
+        pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
+        single = value(model, "tp1-cgcompile", 64, "step_s")
+        single_tps = 64 / single if single else float("nan")
+        print(f"{model} batch 64: pp2-cgcompile {pp:.0f} tok/s, pp2-eager {pp_eager:.0f}, single {single_tps:.0f}; "
+              f"pp2-cgcompile/pp2-eager {pp / pp_eager:.2f}x (target >= 1.6), "
+              f"pp2-cgcompile/single {pp / single_tps:.2f}x (target >= 1.3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The decode model of `decode_model.py`, sharded for tensor parallelism and sliced into
+pipeline stages; the examples, the tests and `distributed_bench.py` share it.
+
+Every rank builds the whole `Llama` from one seed, then keeps its part, so the shards
+of all ranks are the weights of the single-process model that the results are compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.decode_model import Llama
+
+
+def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    return weight.chunk(parts, dim=0)[part].clone()
+
+
+def _cols(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
+    return weight.chunk(parts, dim=1)[part].clone()
+
+
+class TensorParallelLayer(nn.Module):
+    """One decoder layer, Megatron style: q/k/v and gate/up column-parallel by head and by
+    unit, o_proj and down row-parallel, one all-reduce after each row-parallel linear."""
+
+    def __init__(self, layer, part: int, parts: int, group_name: str):
+        super().__init__()
+        c = layer.cfg
+        heads, kv_heads = c.heads // parts, c.kv_heads // parts
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, c.head_dim
+        self.group_name = group_name
+        q, k, v = layer.qkv.weight.split([c.heads * c.head_dim, c.kv_heads * c.head_dim, c.kv_heads * c.head_dim])
+        self.qkv = nn.Parameter(torch.cat([_rows(q, part, parts), _rows(k, part, parts), _rows(v, part, parts)]))
+        gate, up = layer.gate_up.weight.chunk(2)
+        self.gate_up = nn.Parameter(torch.cat([_rows(gate, part, parts), _rows(up, part, parts)]))
+        self.o_proj = nn.Parameter(_cols(layer.o_proj.weight, part, parts))
+        self.down = nn.Parameter(_cols(layer.down.weight, part, parts))
+        self.attn_norm, self.mlp_norm = layer.attn_norm, layer.mlp_norm
+        cache = layer.k_cache[:, kv_heads * part: kv_heads * (part + 1)]
+        self.register_buffer("k_cache", cache.clone(), persistent=False)
+        cache = layer.v_cache[:, kv_heads * part: kv_heads * (part + 1)]
+        self.register_buffer("v_cache", cache.clone(), persistent=False)
+
+    def forward(self, x, start: int):  # x: [T, hidden]
+        t, d = x.shape[0], self.head_dim
+        q, k, v = F.linear(self.attn_norm(x), self.qkv).split(
+            [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        attn = torch.ops.cgbench.decode_attention(
+            q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d),
+            self.k_cache, self.v_cache, start)
+        x = x + funcol.all_reduce(F.linear(attn.reshape(t, -1), self.o_proj), "sum", self.group_name)
+        gate, up = F.linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
+        return x + funcol.all_reduce(F.linear(F.silu(gate) * up, self.down), "sum", self.group_name)
+
+
+class TensorParallelDecoder(nn.Module):
+    """ids: [B], start: host int -> logits [B, vocab]; embedding and head replicated."""
+
+    def __init__(self, llama: Llama, group=None):
+        super().__init__()
+        group = group or dist.group.WORLD
+        part, parts = dist.get_rank(group), dist.get_world_size(group)
+        self.embed, self.norm, self.lm_head = llama.embed, llama.norm, llama.lm_head
+        self.layers = nn.ModuleList(TensorParallelLayer(l, part, parts, group.group_name) for l in llama.layers)
+
+    def forward(self, ids, start: int):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, start)
+        return self.lm_head(self.norm(x))
+
+
+class StageDecoder(nn.Module):
+    """Layers `layers` of a Llama; the first stage embeds token ids, the last returns the
+    greedy next tokens. forward(x, start, row0): x is ids [B] or hidden [B, hidden]; the
+    micro-batch's sequences own cache rows row0..row0+B."""
+
+    def __init__(self, llama: Llama, layers: range):
+        super().__init__()
+        self.first, self.last = layers.start == 0, layers.stop == len(llama.layers)
+        self.embed = llama.embed if self.first else None
+        self.layers = nn.ModuleList(llama.layers[i] for i in layers)
+        self.norm, self.lm_head = (llama.norm, llama.lm_head) if self.last else (None, None)
+
+    def forward(self, x, start: int, row0: int):
+        if self.first:
+            x = self.embed(x)
+        for layer in self.layers:
+            q, k, v = layer.qkv_heads(x)
+            attn = torch.ops.cgbench.decode_attention(q, k, v, layer.k_cache[row0:], layer.v_cache[row0:], start)
+            x = layer.finish(x, attn)
+        if self.last:
+            return self.lm_head(self.norm(x)).argmax(-1)  # [B] next tokens
+        return x
+
+
+@torch.no_grad()
+def greedy_reference(llama: Llama, ids: torch.Tensor, start: int, steps: int) -> torch.Tensor:
+    """Single-process eager greedy decoding: [steps, B] tokens."""
+    from benchmarks.decode_model import HostLengthDecoder
+
+    model, out = HostLengthDecoder(llama), []
+    for step in range(steps):
+        ids = model(ids, start + step).argmax(-1)
+        out.append(ids)
+    return torch.stack(out)

@@ -1,0 +1,106 @@
+"""What cgcompile needs from torch.distributed: checked process groups, communicators made
+before any capture, and which collectives a CUDA graph can hold.
+
+Tensor parallelism needs nothing else. A model whose layers call torch.distributed's
+functional collectives (`torch.distributed._functional_collectives.all_reduce`), or
+`dist.all_reduce`, which Dynamo rewrites into them, compiles into pieces that hold the
+collectives like any other op: `_c10d_functional.all_reduce` and `wait_tensor` are
+neither split ops nor host syncs. On CUDA with NCCL they are captured inside the pieces'
+graphs (NCCL kernels can be captured); a decode step stays one replay per piece. Two
+conditions make that sound, and `prepare_collectives` sees to the first:
+
+  - NCCL builds a communicator at its first collective, which cannot happen inside a
+    capture: one collective on the device before the first capture creates it.
+  - Every rank captures and replays the same graphs in the same order: the ranks of a
+    group run the same model on the same batch size (so the same capture size), which
+    `check_same_rows` verifies where a caller is unsure.
+
+A collective on a group with no backend for the graph's device is a user error
+(`check_backend`); one on gloo with CUDA tensors cannot be captured: its capture fails
+and capture recovery splits the piece there (`capture_failed`, with the op named).
+
+Timeouts: a rank that never joins a collective or a send leaves its peers waiting up to
+the process group's timeout (`dist.init_process_group(timeout=...)`; 10 minutes by
+default for NCCL and 30 for gloo), after which torch raises on the waiting ranks. The
+checks here turn the mistakes they can see into errors before anything waits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError, expect
+
+
+def require_group(culprit: str, group=None):
+    """The process group to use (`group`, or the default one); raises when torch.distributed
+    has not been initialised."""
+    available = dist.is_available() and dist.is_initialized()
+    expect(available, culprit, "an initialised torch.distributed process group", "none",
+           "call torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPUs) first; "
+           "torchrun sets the environment it reads", DistributedError, raw=True)
+    return group if group is not None else dist.group.WORLD
+
+
+def rank_name(group=None) -> str:
+    """"rank 1" (the global rank, which torchrun's logs use too)."""
+    return f"rank {dist.get_rank()}"
+
+
+def backend_for(group, device: torch.device) -> str | None:
+    """The backend name the group uses for tensors on `device` ("nccl", "gloo"), or None."""
+    for entry in dist.get_backend_config(group).split(","):
+        kind, _, name = entry.partition(":")
+        if kind == device.type:
+            return name
+    return None
+
+
+def check_backend(culprit: str, group, device: torch.device) -> str:
+    """The group's backend for `device`; raises, naming the rank, when it has none."""
+    name = backend_for(group, device)
+    expect(name is not None, f"{rank_name()}: {culprit}", f"a process group with a backend for {device.type}",
+           f"one configured as {dist.get_backend_config(group)!r}",
+           f"move the tensors to a device the group serves, or init the group for both "
+           f"(backend='cpu:gloo,cuda:nccl')", DistributedError, raw=True)
+    return name
+
+
+def collectives_capturable(group, device: torch.device) -> bool:
+    """Whether collectives on `device` in this group can live inside a CUDA graph (NCCL)."""
+    return device.type == "cuda" and backend_for(group, device) == "nccl"
+
+
+def prepare_collectives(device: torch.device | str, group=None) -> None:
+    """Run one all-reduce on `device` so the group's communicator exists before any capture.
+
+    Call it once on every rank after `init_process_group` and before the first compiled
+    call (`cgcompile.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
+    created NCCL communicator would be created during the first capture, which fails.
+    """
+    device = torch.device(device)
+    group = require_group("prepare_collectives", group)
+    check_backend("prepare_collectives", group, device)
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe, group=group)
+    expected_sum = dist.get_world_size(group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    expect(int(probe.item()) == expected_sum, f"{rank_name()}: prepare_collectives", f"a sum of {expected_sum}",
+           int(probe.item()), "every rank of the group must call prepare_collectives", DistributedError)
+
+
+def check_same_rows(culprit: str, rows: int, group=None) -> None:
+    """Raise on every rank, naming the ranks, unless all ranks of `group` call with `rows`.
+
+    Costs one small collective on the host; tensor-parallel ranks that pad different
+    sizes would otherwise replay graphs whose collectives do not match (a hang or wrong
+    sums), so call it while a serving loop is being brought up, or whenever in doubt.
+    """
+    group = require_group(culprit, group)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (dist.get_rank(), rows), group=group)
+    odd = [f"rank {rank}: {n}" for rank, n in everyone if n != rows]
+    expect(not odd, f"{rank_name()}: {culprit}", f"every rank to call with {rows} rows, as this rank does",
+           ", ".join(odd), "give every rank of the group the same batch", DistributedError, raw=True)

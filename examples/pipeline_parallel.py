@@ -1,0 +1,123 @@
+"""Greedy decoding on two pipeline stages, each compiled with cgcompile, two micro-batches
+in flight; the tokens are compared with a single-process eager run.
+
+    torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cpu    # gloo
+    torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cuda   # NCCL, CUDA graphs
+
+Stage 0 embeds and runs the first half of the layers, stage 1 the rest and picks the next
+tokens, which go back to stage 0 (a ring). While stage 1 works on one micro-batch, stage 0
+works on the other (`cgcompile.pipeline.ring_schedule`). What crosses each boundary is a
+named set of tensors received into persistent buffers that the graphs read in place.
+"""
+# cgcompile-example: needs-torchrun
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cgcompile  # noqa: E402
+from benchmarks.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
+from benchmarks.distributed_model import StageDecoder, greedy_reference  # noqa: E402
+from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+
+FILL = 8  # cache positions filled before decoding (the "prompt")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="tiny", choices=sorted(MODEL_CONFIGS))
+    parser.add_argument("--batch", type=int, default=4, help="sequences, split into one micro-batch per stage")
+    parser.add_argument("--tokens", type=int, default=32)
+    return parser.parse_args()
+
+
+def build_llama(args, device):
+    torch.manual_seed(0)
+    llama = Llama(MODEL_CONFIGS[args.model]).to(device)
+    llama.fill_caches(FILL)
+    return llama
+
+
+def run_stage(args, device):
+    """This rank's stage over the ring schedule; returns the tokens stage 0 received: [steps, B]."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = MODEL_CONFIGS[args.model]
+    mb = args.batch // world  # rows per micro-batch; one micro-batch per stage
+    model = StageDecoder(build_llama(args, device), stage_layers(cfg.layers, world, rank))
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= mb) + ((mb,) if mb not in (1, 2, 4, 8, 16, 32, 64) else ())
+    backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"], capture_sizes=sizes,
+                                                 compiler="eager" if device.type == "cpu" else "inductor",
+                                                 capture_error_mode="thread_local",  # NCCL watchdog threads
+                                                 reuse_output_buffers=True))
+    compiled = torch.compile(model, backend=backend)
+    hidden = {"hidden": TensorSpec((cfg.hidden,), torch.float32)}
+    tokens = {"tokens": TensorSpec((), torch.int64)}
+    stage = PipelineStage(receives=tokens if rank == 0 else hidden, sends=tokens if rank == world - 1 else hidden,
+                          max_rows=max(sizes), device=device, backend=backend)
+    stage.connect()
+    first_ids = torch.randint(0, cfg.vocab, (args.batch,), generator=torch.Generator().manual_seed(1)).to(device)
+    received, got = None, []
+    for tick in ring_schedule(world, rank, args.tokens * world):
+        outputs = None
+        if tick.item is not None:
+            micro, step = tick.item % world, tick.item // world
+            x = first_ids[micro * mb:(micro + 1) * mb] if rank == 0 and step == 0 else received[stage_input(rank)]
+            outputs = {stage_output(rank, world): compiled(x, FILL + step, micro * mb)}
+        received = stage.exchange(outputs, mb if tick.receive else None)
+        if rank == 0 and received is not None:
+            got.append(received["tokens"].clone())
+    return torch.stack(got).view(args.tokens, args.batch) if rank == 0 else None, backend
+
+
+def stage_input(rank):
+    return "tokens" if rank == 0 else "hidden"
+
+
+def stage_output(rank, world):
+    return "tokens" if rank == world - 1 else "hidden"
+
+
+def main():
+    args = parse_args()
+    backend_name = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend_name)
+    ok = False
+    try:
+        device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
+            else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        with torch.inference_mode():
+            tokens, backend = run_stage(args, device)
+            if dist.get_rank() == 0:
+                first_ids = torch.randint(0, MODEL_CONFIGS[args.model].vocab, (args.batch,),
+                                          generator=torch.Generator().manual_seed(1)).to(device)
+                reference = greedy_reference(build_llama(args, device), first_ids, FILL, args.tokens)
+                print(f"stage 0: {backend.stats}")
+                print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
+        ok = True
+    finally:
+        shut_down(ok)
+
+
+def shut_down(ok: bool):
+    """Leave torchrun a clean exit: finish the GPU work, then tear the group down on every
+    rank together. A rank that exits while its peer still has NCCL work in flight, or
+    without destroy_process_group (the communicators are then torn down by interpreter
+    exit, in no fixed order), is what torchrun reports as a failed rank. After an error,
+    skip the barrier: the peers may never reach it."""
+    if ok:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

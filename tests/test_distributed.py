@@ -1,0 +1,116 @@
+"""Tensor and pipeline parallelism on 2 processes: over gloo on the CPU (torchrun started by
+the test, with a hard timeout so a hang fails instead of blocking), and the pure parts
+(stage split, ring schedule, in-place buffers, bad input without a process group)."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.capture import CaptureSession
+from cgcompile.errors import DistributedError
+from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def torchrun(script: pathlib.Path, *args: str, timeout: int = 120) -> str:
+    """Run `script` on 2 local ranks; kill the whole process group if it outlives `timeout`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{script.name} hung for {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
+    assert process.returncode == 0, out[-2000:] + err[-4000:]
+    return out
+
+
+# -- 2 processes over gloo -----------------------------------------------------------------
+
+
+def test_pipeline_scenarios_on_two_gloo_ranks():
+    out = torchrun(ROOT / "tests" / "distributed_worker.py")
+    for name in ("buffers", "ring mismatch", "sender checks", "rows mismatch", "same rows", "connect first"):
+        for rank in (0, 1):
+            assert f"rank {rank}: {name}: ok" in out, out
+
+
+@pytest.mark.parametrize("example", ["pipeline_parallel.py", "tensor_parallel.py"])
+def test_example_tokens_equal_single_process_eager(example):
+    out = torchrun(ROOT / "examples" / example, "--device", "cpu")
+    assert "tokens match: True" in out.splitlines(), out
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+def test_stage_layers_are_contiguous_and_balanced():
+    assert [stage_layers(32, 2, s) for s in range(2)] == [range(0, 16), range(16, 32)]
+    assert [stage_layers(7, 3, s) for s in range(3)] == [range(0, 3), range(3, 5), range(5, 7)]
+    with pytest.raises(cgcompile.ArgumentError, match="stage_layers: num_stages: expected between 1 and 2 layers"):
+        stage_layers(2, 3, 0)
+
+
+def test_ring_schedule_keeps_every_stage_busy_once_full():
+    items = 6
+    stage0, stage1 = ring_schedule(2, 0, items), ring_schedule(2, 1, items)
+    assert [t.item for t in stage0] == [0, 1, 2, 3, 4, 5, None]
+    assert [t.item for t in stage1] == [None, 0, 1, 2, 3, 4, 5]
+    # stage 0 receives on the ticks stage 1 computes, and stage 1 on the ticks stage 0 does
+    assert [t.receive for t in stage0] == [t.item is not None for t in stage1]
+    assert [t.receive for t in stage1] == [t.item is not None for t in stage0]
+    # stage 0's input for item i (stage 1's result for item i - 2) arrives on the tick before
+    for k, tick in enumerate(stage0):
+        if tick.item is not None and tick.item >= 2:
+            assert stage1[k - 1].item == tick.item - 2
+
+
+def test_a_registered_buffer_and_its_leading_slices_are_read_in_place():
+    session = CaptureSession((1, 2, 4))
+    buffer = torch.zeros(4, 3)
+    session.register_persistent_input(buffer)
+    assert session.is_persistent(buffer[:2], (2, 3))
+    assert session.is_persistent(buffer[:1], (4, 3))  # a call of 1 row padded to 4
+    assert not session.is_persistent(buffer[1:], (2, 3))  # not where the buffer starts
+    assert not session.is_persistent(buffer[:2], (8, 3))  # more rows than the buffer has
+    assert not session.is_persistent(torch.zeros(4, 3), (4, 3))
+
+
+def test_without_a_process_group_the_error_says_to_initialise_one():
+    with pytest.raises(DistributedError, match=r"PipelineStage: expected an initialised torch.distributed process "
+                                               r"group, got none; call torch.distributed.init_process_group"):
+        PipelineStage(receives={}, sends={"x": TensorSpec((2,), torch.float32)}, max_rows=4, device="cpu")
+
+
+# -- 2 GPUs, NCCL, CUDA graphs ---------------------------------------------------------------
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.cuda
+@two_gpus
+@pytest.mark.parametrize("example", ["pipeline_parallel.py", "tensor_parallel.py"])
+def test_cuda_example_tokens_equal_eager_with_graphs(example):
+    out = torchrun(ROOT / "examples" / example, "--device", "cuda", "--model", "small", timeout=400)
+    assert "tokens match: True" in out.splitlines(), out
+    stats = next(line for line in out.splitlines() if line.startswith(("rank 0:", "stage 0:")))
+    assert "graphs_captured=0" not in stats, stats
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_cuda_collectives_are_captured_and_buffers_read_in_place():
+    out = torchrun(ROOT / "tests" / "distributed_cuda_worker.py", timeout=400)
+    assert "rank 0: all-reduces captured: ok" in out and "rank 1: buffers read in place: ok" in out, out
