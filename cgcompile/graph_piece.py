@@ -198,6 +198,8 @@ class CudaGraphPiece(PieceRunner):
         if entry is None:
             if mode is Mode.LAZY or size not in self._warmed:  # never capture a cold piece
                 self._warm_up(padded)
+                # Fresh copies for the capture: the warm-up may have written into its own.
+                padded, in_place = self._padded_args(args, n, size)
             try:
                 return self._capture(padded, in_place, n, size)
             except CaptureError as error:

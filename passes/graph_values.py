@@ -22,6 +22,21 @@ VIEW_FUNCTIONS = frozenset(
 )
 
 
+# Ops whose result may share memory with their first argument without always being a
+# view: reshape and flatten return a view when the strides allow, contiguous and the
+# dtype/device conversions return the argument itself when nothing changes. A write
+# through their result may reach the argument, so mutation tracking follows them.
+MAY_ALIAS_METHODS = VIEW_METHODS | frozenset(
+    {"reshape", "reshape_as", "flatten", "contiguous", "movedim", "moveaxis", "swapaxes", "swapdims",
+     "diagonal", "unfold", "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long",
+     "bool", "cuda", "cpu"}
+)
+MAY_ALIAS_FUNCTIONS = VIEW_FUNCTIONS | frozenset(
+    {torch.reshape, torch.flatten, torch.movedim, torch.moveaxis, torch.swapaxes, torch.swapdims,
+     torch.diagonal, torch.Tensor.contiguous, torch.Tensor.reshape, torch.Tensor.view}
+)
+
+
 def example_value(node: Node) -> Any:
     """The fake value Dynamo (`example_value`) or AOT (`val`) recorded for the node."""
     if "example_value" in node.meta:
@@ -48,3 +63,10 @@ def is_view_op(node: Node) -> bool:
     if node.op == "call_method":
         return node.target in VIEW_METHODS
     return node.op == "call_function" and node.target in VIEW_FUNCTIONS
+
+
+def may_alias_first_input(node: Node) -> bool:
+    """Whether `node`'s result may share memory with its first argument (see MAY_ALIAS_METHODS)."""
+    if node.op == "call_method":
+        return node.target in MAY_ALIAS_METHODS
+    return node.op == "call_function" and node.target in MAY_ALIAS_FUNCTIONS

@@ -37,7 +37,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..compat import free_symbols, process_group_backend
-from .graph_values import example_value, is_size_value, is_view_op, tensors_in
+from .graph_values import example_value, is_size_value, may_alias_first_input, tensors_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,9 +321,10 @@ def _view_base(node: Node) -> Node:
 
 
 def _view_parent(node: Node) -> Node | None:
-    """The tensor `node` is a view of, or None. An element of a tuple of views (chunk,
-    split, unbind) is a view of what they split; of any other tuple, of nothing."""
-    if not (is_view_op(node) or _is_tuple_of_views(node)) or not node.args or not isinstance(node.args[0], Node):
+    """The tensor `node` is (or may be) a view of, or None: views, and ops such as reshape
+    that return one when they can. An element of a tuple of views (chunk, split, unbind)
+    is a view of what they split; of any other tuple, of nothing."""
+    if not (may_alias_first_input(node) or _is_tuple_of_views(node)) or not node.args or not isinstance(node.args[0], Node):
         return None
     if node.target is operator.getitem and _indexes_by_tensor(node.args[1:2]):
         return None  # table[ids] gathers into a new tensor

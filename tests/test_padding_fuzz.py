@@ -59,6 +59,12 @@ def _write_into_a_viewed_tensor(x):  # x: [n, 8]
     return v, u
 
 
+def _write_through_a_reshape(x):  # x: [n, 8]
+    t = torch.ops.cgcompile_testing.silly_attention(x, x, x)  # an eager piece: n rows
+    t.reshape(t.shape[0], 2, 4).mul_(2.0)  # reshape returns a view of t here: the write reaches t
+    return t
+
+
 class _WriteIntoAGather(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -109,6 +115,14 @@ FIXED_BUGS = (
         "and stayed in a padded piece, which wrote into its padded copy",
         (frozenset({"embedding", "index_rows"}), WRITES),
         (_WriteIntoAGather,),
+    ),
+    KnownBug(
+        "a write through the result of reshape (a view when the strides allow) into a value an "
+        "earlier piece made was not taken for a write into that value: the piece ran padded, "
+        "or from a graph, and wrote into its copy; and a warm-up before capture wrote into the "
+        "copy the capture then started from, so the write was applied twice",
+        (frozenset({"regroup_rows"}), WRITES),
+        (lambda: _write_through_a_reshape,),
     ),
 )
 

@@ -163,7 +163,15 @@ def test_written_inputs_names_the_buffers_a_piece_updates():
         stats.add_(x.mean(0))
         y = x * other
         y.add_(1)  # an intermediate: not an input
+        other.reshape(-1).mul_(2)  # reshape returns a view when it can
         return y
 
-    gm = torch.fx.symbolic_trace(f)
-    assert written_inputs(gm) == (1,)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(f, backend=keep, fullgraph=True)(torch.randn(4, 8), torch.zeros(8), torch.ones(8))
+    placeholders = [n.name for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert sorted(placeholders[i] for i in written_inputs(graphs[0])) == ["l_other_", "l_stats_"]
