@@ -70,17 +70,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
-import json
 import math
 import operator
-import os
-import platform
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 from typing import Callable
 
 import torch
@@ -90,7 +83,10 @@ from decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig, S
 from decode_model import use_length_independent_attention_kernels
 from compile_cache import fresh_compile_cache
 from decode_variants import CAPTURE_SIZES, VARIANT_NAMES, VARIANTS, Bench, DecodeInputs, Prepared
-from decode_variants import Step, Unavailable, Variant, capture_start, cgcompile_config
+from decode_variants import Step, Variant, capture_start, cgcompile_config
+from harness import Timing, default_out, dynamo_graph_count, environment, guarded, log, release_memory
+from harness import floor_ms, measure_peak_bandwidth, parameter_bytes, run_interleaved, synchronize, time_steps
+from harness import write_json
 
 FILL_LEN = 256  # cache positions filled before any step; every step writes at >= this
 CHECK_START = FILL_LEN  # the correctness step reads exactly the shared prefix
@@ -101,6 +97,7 @@ MEMORY_START = FILL_LEN + 100
 WARMUP_STEPS = 3
 REL_ERR_FLAG = 2e-2
 MEMORY_STEP = "memory"  # --variants name of the capture memory check
+MODEL_CHOICES = ("small", "1b", "8b")
 
 
 @contextlib.contextmanager
@@ -136,6 +133,7 @@ class VariantResult:
     ms_per_step: dict[int, float] = dataclasses.field(default_factory=dict)  # median of every timed step
     ms_best_window: dict[int, float] = dataclasses.field(default_factory=dict)  # lowest window median
     ms_mean: dict[int, float] = dataclasses.field(default_factory=dict)  # mean of every timed step
+    x_floor: dict[int, float] = dataclasses.field(default_factory=dict)  # ms_per_step / the bandwidth floor
     ready_s: float | None = None  # until warm at every batch size: trace + compile + capture
     capture_s: float | None = None  # ahead-of-time warm-up + capture of every capture size, if any
     checks: dict[int, dict] = dataclasses.field(default_factory=dict)  # batch -> logits vs eager
@@ -144,17 +142,6 @@ class VariantResult:
     runner: dict | None = None  # the graph runner's own account: cgcompile stats, pool bytes, graphs
     wall_s: float | None = None  # everything this variant took, timing included
     error: str | None = None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def dynamo_graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"].get("unique_graphs", 0))
 
 
 def timing_start(k: int) -> int:
@@ -182,27 +169,7 @@ def measure_ready(prepared: Prepared, batches, device) -> tuple[float, float | N
 
 def time_window(step: Step, batch: int, steps: int, device) -> list[float]:
     """Milliseconds of each of `steps` steps, after WARMUP_STEPS untimed ones."""
-    for k in range(WARMUP_STEPS):
-        step(batch, timing_start(k), k)
-    if device.type != "cuda":
-        return _time_steps_host(step, batch, steps)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
-    synchronize(device)
-    for k, (begin, end) in enumerate(events):
-        begin.record()
-        step(batch, timing_start(k), k)
-        end.record()
-    torch.cuda.synchronize(device)
-    return [begin.elapsed_time(end) for begin, end in events]
-
-
-def _time_steps_host(step: Step, batch: int, steps: int) -> list[float]:
-    per_step = []
-    for k in range(steps):
-        t0 = time.perf_counter()
-        step(batch, timing_start(k), k)
-        per_step.append((time.perf_counter() - t0) * 1e3)
-    return per_step
+    return time_steps(lambda k: step(batch, timing_start(k), k), steps, WARMUP_STEPS, device)
 
 
 @torch.inference_mode()
@@ -216,24 +183,16 @@ def time_interleaved(prepared: dict[str, Prepared], results: dict[str, VariantRe
     Dynamo graphs compiled while timing (should be 0).
     """
     graphs_before = dynamo_graph_count()
-    samples = {(name, b): [] for name in prepared for b in batches}
-    running = dict(prepared)
-    for _ in range(rounds):
-        for name, prep in list(running.items()):
-            for b in batches:
-                times, error = guarded(f"{name} timing", lambda: time_window(prep.step, b, window, device))
-                if error is not None:
-                    results[name].error = error
-                    del running[name]
-                    break
-                samples[name, b].append(times)
-    for (name, b), windows in samples.items():
-        if name not in running:
-            continue
-        every = [ms for w in windows for ms in w]
-        results[name].ms_per_step[b] = statistics.median(every)
-        results[name].ms_best_window[b] = min(statistics.median(w) for w in windows)
-        results[name].ms_mean[b] = statistics.fmean(every)
+    windows = {(name, b): (lambda p=prep, b=b: time_window(p.step, b, window, device))
+               for name, prep in prepared.items() for b in batches}
+    samples, errors = run_interleaved(windows, rounds)
+    for name, error in errors.items():
+        results[name].error = error
+    for (name, b), times in samples.items():
+        timing = Timing.of(times)
+        results[name].ms_per_step[b] = timing.median_ms
+        results[name].ms_best_window[b] = timing.best_window_ms
+        results[name].ms_mean[b] = timing.mean_ms
     return dynamo_graph_count() - graphs_before
 
 
@@ -348,8 +307,32 @@ def _speed_up_at_1(results: dict[str, VariantResult], name: str, batches, metric
     return getattr(results["eager"], metric)[1] / getattr(results[name], metric)[1]
 
 
-def evaluate_targets(results: dict[str, VariantResult], batches, model: str, metric: str = "ms_per_step") -> list[Target]:
-    return issue3_targets(results, batches, metric) + issue4_targets(results, batches, model, metric)
+def evaluate_targets(results: dict[str, VariantResult], batches, model: str, metric: str = "ms_per_step",
+                     floor: float | None = None) -> list[Target]:
+    return (issue3_targets(results, batches, metric) + issue4_targets(results, batches, model, metric)
+            + issue17_targets(results, batches, model, metric, floor))
+
+
+# Issue 17's limits on step / bandwidth floor, per (model, batch); the variants they are read for.
+FLOOR_LIMITS = {("8b", 1): 1.25, ("8b", 8): 1.35, ("1b", 1): 2.0}
+FLOOR_VARIANTS = ("cgcompile-inductor", "cgcompile-sizes", "cgcompile-sizes-tuned")
+
+
+def issue17_targets(results: dict[str, VariantResult], batches, model: str, metric: str,
+                    floor: float | None) -> list[Target]:
+    """Step time over the weight-bytes / peak-bandwidth floor, and (1b) still ahead of the full graph."""
+    targets = []
+    for name in (n for n in FLOOR_VARIANTS if n in results):
+        for b in batches:
+            limit = FLOOR_LIMITS.get((model, b))
+            if limit is not None:
+                value = getattr(results[name], metric)[b] / floor if _ok(results, name) and floor else None
+                targets.append(_target(17, f"{name} step <= {limit}x the bandwidth floor at B={b}", value, "<=", limit))
+        if model == "1b":
+            ratio = _worst_ratio(results, name, "reduce-overhead", batches, metric) if _ok(
+                results, name, "reduce-overhead") else None
+            targets.append(_target(17, f"{name} step < reduce-overhead at every batch", ratio, "<", 1.0))
+    return targets
 
 
 def issue3_targets(results: dict[str, VariantResult], batches, metric: str) -> list[Target]:
@@ -394,20 +377,23 @@ def _ratios(results, name, base, batches, metric: str, invert=False) -> str:
     return "/".join(f"{(b_[b] / r[b]) if invert else (r[b] / b_[b]):.2f}" for b in batches)
 
 
-def format_table(results: dict[str, VariantResult], batches, metric: str = "ms_per_step") -> str:
+def format_table(results: dict[str, VariantResult], batches, metric: str = "ms_per_step",
+                 floor: float | None = None) -> str:
     ms_cols = [f"B={b} ms" for b in batches]
     batch_list = "/".join(map(str, batches))
-    header = ["variant", *ms_cols, f"x RO ({batch_list})", f"speed-up vs eager ({batch_list})", "ready s", "capture s"]
+    header = ["variant", *ms_cols, f"x RO ({batch_list})", f"speed-up vs eager ({batch_list})",
+              f"x floor ({batch_list})", "ready s", "capture s"]
     rows = [header]
     for name, r in results.items():
         if r.error is not None:
-            rows.append([name, *(["error"] * len(batches)), "-", "-", "-", "-"])
+            rows.append([name, *(["error"] * len(batches)), "-", "-", "-", "-", "-"])
             continue
         rows.append([
             name,
             *(f"{getattr(r, metric)[b]:.3f}" for b in batches),
             _ratios(results, name, "reduce-overhead", batches, metric),
             _ratios(results, name, "eager", batches, metric, invert=True),
+            "/".join(f"{getattr(r, metric)[b] / floor:.2f}" for b in batches) if floor else "-",
             f"{r.ready_s:.1f}",
             "-" if r.capture_s is None else f"{r.capture_s:.2f}",
         ])
@@ -425,56 +411,18 @@ def format_targets(targets: list[Target]) -> str:
     return "\n".join(lines)
 
 
-def environment(device: torch.device) -> dict:
-    env = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "cuda": torch.version.cuda,
-    }
-    with contextlib.suppress(Exception):
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    return env
-
-
 # -- driver ----------------------------------------------------------------------------------
-
-
-_T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
-
-
-def release_memory(device: torch.device) -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def guarded(what: str, fn: Callable):
-    """(fn(), None), or (None, the error in words) when fn raises; the run goes on either way."""
-    try:
-        return fn(), None
-    except Unavailable as e:  # a missing library: the reason is the whole story
-        log(f"  {what} skipped: {e}")
-        return None, str(e)
-    except Exception as e:  # one failing variant must not stop the others
-        traceback.print_exc()
-        log(f"  {what} FAILED: {type(e).__name__}: {e}")
-        return None, f"{type(e).__name__}: {e}"
 
 
 def run_model(name: str, cfg: ModelConfig, args, report: dict, write: Callable[[], None]) -> None:
     log(f"model {name}: building ({cfg})")
     bench = build_bench(name, cfg, args.device, args.dtype, args.batches)
     params = sum(p.numel() for p in bench.llama.parameters())
-    model_report = report["models"][name] = {"config": dataclasses.asdict(cfg), "params": params, "variants": {}}
-    log(f"model {name}: {params / 1e9:.3f}B parameters, eager references at start {CHECK_START}")
+    floor = bandwidth_floor(bench, args.peak_gbs)
+    model_report = report["models"][name] = {
+        "config": dataclasses.asdict(cfg), "params": params, "floor": floor, "variants": {}}
+    log(f"model {name}: {params / 1e9:.3f}B parameters, eager references at start {CHECK_START}; "
+        f"floor {floor['floor_ms']:.3f} ms ({floor['weight_bytes'] / 1e9:.2f} GB at {args.peak_gbs:.0f} GB/s)")
     results: dict[str, VariantResult] = {}
     prepared: dict[str, Prepared] = {}
     for variant in (v for v in VARIANTS if v.name in args.variants):
@@ -501,6 +449,19 @@ def run_model(name: str, cfg: ModelConfig, args, report: dict, write: Callable[[
     release_memory(args.device)
 
 
+def bandwidth_floor(bench: Bench, peak_gbs: float) -> dict:
+    """The step time no variant can beat: every weight read once at the peak bandwidth.
+
+    As issue 17 states it: all parameter bytes (the embedding table counts whole, though a
+    step reads B rows of it). The KV cache a step reads is given beside it, per sequence.
+    """
+    cfg = bench.cfg
+    kv_bytes = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * TIMING_START * bench.llama.embed.weight.element_size()
+    weight_bytes = parameter_bytes(bench.llama)
+    return {"weight_bytes": weight_bytes, "peak_gbs": peak_gbs, "floor_ms": floor_ms(weight_bytes, peak_gbs),
+            "kv_bytes_per_sequence": kv_bytes}
+
+
 def prepare_one_variant(variant: Variant, bench: Bench, args) -> tuple[VariantResult, Prepared | None]:
     log(f"model {bench.name}: variant {variant.name}")
     if variant.cuda_graphs and args.device.type != "cuda":
@@ -525,15 +486,21 @@ def run_memory_check(bench: Bench, args, model_report: dict) -> None:
 
 
 def finish_model(name: str, results: dict[str, VariantResult], batches, model_report: dict) -> None:
-    targets = evaluate_targets(results, batches, name)
-    best = evaluate_targets(results, batches, name, "ms_best_window")
+    floor = model_report["floor"]["floor_ms"]
+    for r in results.values():
+        r.x_floor = {b: ms / floor for b, ms in r.ms_per_step.items()}
+    model_report["variants"] = {n: dataclasses.asdict(r) for n, r in results.items()}
+    targets = evaluate_targets(results, batches, name, floor=floor)
+    best = evaluate_targets(results, batches, name, "ms_best_window", floor)
     model_report["targets"] = [dataclasses.asdict(t) for t in targets]
     model_report["targets_best_window"] = [dataclasses.asdict(t) for t in best]
     peer = model_report["peer_vs_breakable"] = peer_vs_breakable(results, batches)
     print(f"\n== {name}: median ms per decode step (every timed step) ==", flush=True)
-    print(format_table(results, batches), flush=True)
+    print(format_table(results, batches, floor=floor), flush=True)
+    print(f"bandwidth floor: {floor:.3f} ms = {model_report['floor']['weight_bytes'] / 1e9:.2f} GB of weights "
+          f"at {model_report['floor']['peak_gbs']:.0f} GB/s", flush=True)
     print(f"\n== {name}: best window (lowest median of one window; informative) ==", flush=True)
-    print(format_table(results, batches, "ms_best_window"), flush=True)
+    print(format_table(results, batches, "ms_best_window", floor), flush=True)
     print(f"Dynamo graphs compiled while timing: {model_report.get('recompiles_while_timing')}", flush=True)
     if "memory" in model_report and "ratio" in model_report["memory"]:
         m = model_report["memory"]
@@ -547,7 +514,8 @@ def finish_model(name: str, results: dict[str, VariantResult], batches, model_re
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=("1b", "small", "both"), default="both")
+    p.add_argument("--model", default="both",
+                   help=f"comma list from {', '.join(MODEL_CHOICES)}; both = small,1b")
     p.add_argument("--rounds", type=int, default=None, help="timing rounds, variants side by side (10; 1 with --tiny)")
     p.add_argument("--window", type=int, default=None, help="timed steps per variant, batch and round (20; 2 with --tiny)")
     p.add_argument("--batches", default="1,8,64", help="comma list of batch sizes (<= 64)")
@@ -557,8 +525,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(VARIANT_NAMES + (MEMORY_STEP,)),
                    help=f"comma list from {', '.join(VARIANT_NAMES + (MEMORY_STEP,))}")
     p.add_argument("--warm-cache", action="store_true", help="keep Inductor caches between variants")
-    default_out = os.path.join(os.environ["OUT"], "decode_bench.json") if os.environ.get("OUT") else "decode_bench.json"
-    p.add_argument("--out", default=default_out)
+    p.add_argument("--out", default=default_out("decode_bench.json"))
+    p.add_argument("--peak-gbs", type=float, default=None,
+                   help="peak memory bandwidth in GB/s for the floor (default: measured, a device-to-device copy)")
     args = p.parse_args(argv)
     args.device = torch.device(args.device)
     args.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -569,6 +538,10 @@ def parse_args(argv=None):
         p.error(f"--variants: unknown {unknown}; choose from {VARIANT_NAMES + (MEMORY_STEP,)}")
     if max(args.batches) > max(CAPTURE_SIZES):
         p.error(f"--batches: expected sizes <= {max(CAPTURE_SIZES)} (the KV cache's batch), got {args.batches}")
+    args.models = ["small", "1b"] if args.model == "both" else [m.strip() for m in args.model.split(",")]
+    unknown = sorted(set(args.models) - set(MODEL_CHOICES))
+    if unknown:
+        p.error(f"--model: unknown {unknown}; choose from {MODEL_CHOICES} or both")
     args.rounds = args.rounds or (1 if args.tiny else 10)
     args.window = args.window or (2 if args.tiny else 20)
     return args
@@ -577,7 +550,7 @@ def parse_args(argv=None):
 def model_names(args) -> list[str]:
     if args.tiny:
         return ["tiny"]
-    return ["small", "1b"] if args.model == "both" else [args.model]  # small first: results sooner
+    return args.models  # with both, small first: results sooner
 
 
 def main(argv=None) -> int:
@@ -588,15 +561,19 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = 64
     report = {"env": environment(args.device), "args": {k: str(v) for k, v in vars(args).items()}, "models": {}}
     log(f"decode bench on {report['env']['device']}, torch {torch.__version__}; writing {args.out}")
+    if args.peak_gbs is None:
+        args.peak_gbs = measure_peak_bandwidth(args.device, (1 << 26) if args.tiny else (1 << 30))
+        log(f"peak bandwidth: {args.peak_gbs:.0f} GB/s (measured: device-to-device copy, read + written)")
+    else:
+        log(f"peak bandwidth: {args.peak_gbs:.0f} GB/s (--peak-gbs)")
+    report["env"]["peak_gbs"] = args.peak_gbs
     try:
         import cgcompile  # noqa: F401
     except ImportError as e:
         log(f"cannot import cgcompile ({e}); its variants will fail. Run `pip install -e . --no-deps` first")
 
     def write():
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+        write_json(args.out, report)
 
     for name in model_names(args):
         run_model(name, MODEL_CONFIGS[name], args, report, write)

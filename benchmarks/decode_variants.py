@@ -20,6 +20,7 @@ import torch
 
 from decode_model import SPLIT_OP, DecodeState, HostLengthDecoder, HostStateDecoder, Llama, ModelConfig
 from decode_model import StateAttention, StaticMaskDecoder, state_attention
+from harness import Unavailable
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PEER_MODULE = "breakable_cuda_graphs"
@@ -27,10 +28,6 @@ PEER_NOT_INSTALLED = (
     "not installed (carry the wheel: python3 -m pip install --no-index --no-deps --target /tmp/site "
     ".whl/breakable_cuda_graphs-0.1.0-py3-none-any.whl && export PYTHONPATH=/tmp/site)"
 )
-
-
-class Unavailable(RuntimeError):
-    """A variant that cannot run here (a library is missing); its row gives the reason."""
 
 
 # -- what a variant gets -------------------------------------------------------------------
@@ -137,10 +134,19 @@ def prepare_reduce_overhead(bench: Bench) -> Prepared:
     return Prepared(step)
 
 
-def cgcompile_config(compiler: str):
+# cgcompile-sizes: the batch sizes issue 17's targets name get pieces compiled for exactly
+# that size (Config.compile_sizes). Batch 1 is a static Dynamo graph already (Dynamo
+# specialises sizes 0 and 1), so its pieces are compiled for one row either way.
+COMPILE_SIZES = (1, 8)
+# cgcompile-sizes-tuned: Inductor's coordinate-descent tile tuning for those compiles only
+# (every shape there is fixed); it benchmarks tile sizes per kernel, seconds per distinct piece.
+TUNED_OPTIONS = {"coordinate_descent_tuning": True}
+
+
+def cgcompile_config(compiler: str, **fields):
     import cgcompile
 
-    return cgcompile.Config(compiler=compiler, splitting_ops=(SPLIT_OP,), capture_sizes=CAPTURE_SIZES)
+    return cgcompile.Config(compiler=compiler, splitting_ops=(SPLIT_OP,), capture_sizes=CAPTURE_SIZES, **fields)
 
 
 def cgcompile_report(backend) -> dict:
@@ -155,11 +161,11 @@ def cgcompile_report(backend) -> dict:
     }
 
 
-def prepare_cgcompile(compiler: str) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
 
-        backend = cgcompile.Backend(cgcompile_config(compiler))
+        backend = cgcompile.Backend(cgcompile_config(compiler, **fields))
         compiled = torch.compile(bench.host, backend=backend)
 
         def step(b, start, i):
@@ -320,5 +326,8 @@ VARIANTS = (
     Variant("cgcompile-inductor", prepare_cgcompile("inductor"), True),
     Variant("breakable", prepare_breakable, True),
     Variant("peer-breakable", prepare_peer_breakable, True),
+    Variant("cgcompile-sizes", prepare_cgcompile("inductor", compile_sizes=COMPILE_SIZES), True),
+    Variant("cgcompile-sizes-tuned", prepare_cgcompile(
+        "inductor", compile_sizes=COMPILE_SIZES, size_inductor_options=TUNED_OPTIONS), True),
 )
 VARIANT_NAMES = tuple(v.name for v in VARIANTS)

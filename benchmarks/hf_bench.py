@@ -48,8 +48,9 @@ Method:
     Its first call is the first generate(256 new tokens), with tracing, compilation, capture.
     That is also the largest call, so the static cache it sizes (prompt + 256) is reused by
     the shorter calls after it and nothing recompiles.
-  - Timing, interleaved: the host of the GPU machine drifts by up to 2x for seconds, so all
-    variants of a batch stay loaded and are timed round-robin, --rounds times: in each
+  - Timing, interleaved (benchmarks/harness.py, as every benchmark here): the host of the GPU
+    machine drifts by up to 2x for seconds, so all variants of a batch stay loaded and are
+    timed round-robin, --rounds times (a variant that fails drops out with its error): in each
     round every variant runs generate(max_new_tokens=1) (prefill and one token; eager
     prefill in `static`, where generate() compiles only the decode step) and
     generate(256 new tokens).
@@ -78,9 +79,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
-import platform
 import statistics
 import time
 import traceback
@@ -90,6 +89,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
+import harness
 from compile_cache import fresh_compile_cache
 
 FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -216,7 +216,7 @@ def warm_up(variant: str, batch: int, args) -> Loaded:
     return Loaded(row, model, kwargs, backend)
 
 
-def time_round(loaded: Loaded, args) -> None:
+def time_round(loaded: Loaded, args) -> None:  # appends to loaded: rates need both timings of a round
     """One timing round: generate(1 new token), then generate(all new tokens)."""
     ids, mask = make_prompt(args, loaded.row.batch, loaded.model.config.vocab_size)
     loaded.one_s.append(timed(loaded.model, ids, mask, 1, loaded.kwargs)[0])
@@ -251,9 +251,12 @@ def measure_batch(batch: int, variants: list[str], args) -> list[Row]:
         row = run_guarded(variant, batch, args, lambda: warm_up(variant, batch, args))
         (loaded if isinstance(row, Loaded) else failed).append(row)
     graphs_after_warmup = dynamo_graphs()
-    for _ in range(args.rounds):
-        for item in loaded:
-            time_round(item, args)
+    rounds = {(item.row.variant, batch): (lambda item=item: time_round(item, args)) for item in loaded}
+    _, errors = harness.run_interleaved(rounds, args.rounds)
+    for item in [item for item in loaded if item.row.variant in errors]:
+        item.row.error = errors[item.row.variant][:500]
+        failed.append(item.row)
+        loaded.remove(item)
     eager_output = next((item.output for item in loaded if item.row.variant == "eager"), None)
     rows = [finish(item, args, eager_output, graphs_after_warmup) for item in loaded]
     for item in loaded:
@@ -436,12 +439,10 @@ def print_table(rows: list[Row], checks: list[dict]) -> None:
 
 
 def environment(args) -> dict:
-    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
-            "model": TINY if args.tiny else FULL, "dtype": args.dtype, "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "compiler": args.compiler, "rounds": args.rounds,
-            "long_tokens": args.long_tokens,
-            "process_start_s": getattr(args, "process_start_s", None)}
+    return harness.environment(
+        args.device, transformers=transformers.__version__, model=TINY if args.tiny else FULL, dtype=args.dtype,
+        prompt_len=args.prompt_len, new_tokens=args.new_tokens, compiler=args.compiler, rounds=args.rounds,
+        long_tokens=args.long_tokens, process_start_s=getattr(args, "process_start_s", None))
 
 
 def parse_args() -> argparse.Namespace:
@@ -519,9 +520,8 @@ def start_process(args) -> float:
 def write_json(args, rows: list[Row], checks: list[dict]) -> bool:
     if not os.environ.get("OUT"):
         return False
-    with open(os.path.join(os.environ["OUT"], "hf_bench.json"), "w") as f:
-        json.dump({"environment": environment(args), "rows": [dataclasses.asdict(r) for r in rows],
-                   "targets": checks}, f, indent=1)
+    harness.write_json(harness.default_out("hf_bench.json"), {
+        "environment": environment(args), "rows": [dataclasses.asdict(r) for r in rows], "targets": checks})
     return True
 
 

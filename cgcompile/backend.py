@@ -91,12 +91,17 @@ class Backend:
         self._stats = BackendStats()
         self.pieces: list[Piece] = []
         self.runtimes: list[GraphRuntime] = []
-        self._compiler = PieceCompiler(self.config.compiler)
+        self._compiler = PieceCompiler(
+            self.config.compiler, self.config.compile_sizes,
+            dict(self.config.inductor_options), dict(self.config.size_inductor_options),
+        )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
 
     @property
     def stats(self) -> BackendStats:
         self._stats.graphs_captured = self.session.graphs_captured
+        self._stats.specialised_compilations = self._compiler.specialised_compilations  # made at first calls
+        self._stats.specialise_s = self._compiler.specialise_s
         self._stats.layout_copies = sum(
             r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
         )
@@ -196,7 +201,7 @@ class Backend:
                 runners.append(PieceRunner(piece.name, spec.graph))
                 continue
             self.stats.capturable_pieces += 1
-            fn = self._compiler.compile(spec)
+            fn = self._compiler.compile(spec, analysis.capture_dim.symbol if analysis.capture_dim else None)
             self.stats.compilations = self._compiler.compilations
             from_pieces = tuple(i for i, node in enumerate(spec.inputs) if node in piece_outputs)
             runners.append(self._make_runner(piece, spec, fn, analysis, sizing, step, from_pieces))

@@ -32,11 +32,20 @@ def detect_fake_mode(values):
     return _detect(values)
 
 
-def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list):
-    """Compile one piece with Inductor for the (symbolic) shapes of its fake example inputs."""
+def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
+    """Compile one piece with Inductor for the shapes of its example inputs: fake ones with
+    symbolic sizes, or real ones (every size an int). `options` patch Inductor's config
+    for this compile only."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+    return compile_fx(gm, example_inputs, config_patches=dict(options) if options else None)
+
+
+def inductor_option_names() -> frozenset[str]:
+    """Every key Inductor's config accepts (dotted for nested ones: "triton.cudagraphs")."""
+    import torch._inductor.config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
 
 
 def release_cublas_workspaces() -> None:

@@ -57,6 +57,19 @@ class Config:
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
+    compile_sizes: capture sizes whose pieces are also compiled with the capture dimension
+        fixed (Inductor can then pick kernels for that exact shape, e.g. a matrix-vector
+        product at size 1); the graphs of those sizes replay the specialised code, other
+        sizes the general compile. Each adds one compile per distinct piece, at the first
+        call of that size (counted in `stats.specialised_compilations`, its seconds in
+        `stats.specialise_s`). See `cgcompile.size_specialise`.
+    inductor_options: Inductor config patches for every compile of a piece, as a dict
+        (e.g. {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs.
+        Warm-up cost: coordinate_descent_tuning benchmarks tile sizes of every kernel
+        (seconds per distinct piece); max_autotune_gemm benchmarks GEMM templates (tens
+        of seconds per distinct GEMM shape). None are set by default.
+    size_inductor_options: patches for the compile_sizes compiles only, on top of
+        inductor_options: where autotuning pays, since every shape there is fixed.
     """
 
     splitting_ops: tuple[Any, ...] = ()
@@ -74,6 +87,9 @@ class Config:
     fold_grouped_query: bool = True
     padding: bool | None = None
     exact_size_limit: int = 32
+    compile_sizes: tuple[int, ...] = ()
+    inductor_options: tuple[tuple[str, Any], ...] = ()
+    size_inductor_options: tuple[tuple[str, Any], ...] = ()
 
     def __new__(cls, *args, **kwargs):
         # Runs before the dataclass's generated __init__, so a misspelt or positional
@@ -85,8 +101,12 @@ class Config:
         for name in _TUPLE_FIELDS:  # lists are accepted and stored as tuples (hashable, frozen)
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in _OPTION_FIELDS:  # dicts are accepted and stored as sorted pairs (hashable)
+            if isinstance(getattr(self, name), Mapping):
+                object.__setattr__(self, name, _as_pairs(name, getattr(self, name)))
         for field in dataclasses.fields(self):
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
+        _check_compile_sizes(self.compile_sizes, self.capture_sizes)
         self.split_ops  # validates every splitting op name now, not at the first compile
 
     @functools.cached_property
@@ -129,7 +149,8 @@ class Config:
         return cls(**options)
 
 
-_TUPLE_FIELDS = ("splitting_ops", "capture_sizes")
+_TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "compile_sizes")
+_OPTION_FIELDS = ("inductor_options", "size_inductor_options")
 
 
 def as_config(config: Any, culprit: str) -> Config:
@@ -209,6 +230,48 @@ def _capture_sizes(name: str, sizes: Any) -> None:
     expect(not dupes, name, "each size once", f"{dupes} more than once", "remove the repeats", ConfigError, raw=True)
 
 
+def _compile_sizes(name: str, sizes: Any) -> None:
+    expect(isinstance(sizes, tuple), name, "a tuple or list of capture sizes", sizes, "e.g. compile_sizes=(1, 8)",
+           ConfigError)
+    if sizes:
+        _capture_sizes(name, sizes)
+
+
+def _check_compile_sizes(sizes: tuple[int, ...], capture_sizes: tuple[int, ...]) -> None:
+    missing = [s for s in sizes if s not in capture_sizes]
+    expect(not missing, "compile_sizes", "sizes from capture_sizes", missing,
+           f"add them to capture_sizes or remove them (capture_sizes: {capture_sizes})", ConfigError)
+
+
+def _as_pairs(name: str, options: Mapping) -> tuple[tuple[str, Any], ...]:
+    expect(all(isinstance(k, str) for k in options), name, "a dict with str keys", options,
+           "write e.g. {'coordinate_descent_tuning': True}", ConfigError)
+    return tuple(sorted(options.items()))
+
+
+# Inductor options that would break a piece replayed from cgcompile's own CUDA graphs.
+_REFUSED_INDUCTOR_OPTIONS = {
+    "triton.cudagraphs": "cgcompile captures the pieces itself; Inductor's graphs inside ours cannot be captured",
+    "triton.cudagraph_trees": "cgcompile captures the pieces itself",
+}
+
+
+def _inductor_options(name: str, pairs: Any) -> None:
+    ok = isinstance(pairs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs)
+    expect(ok, name, "a dict of Inductor config options", pairs, "write e.g. {'coordinate_descent_tuning': True}",
+           ConfigError)
+    if not pairs:
+        return
+    from .compat import inductor_option_names
+
+    known = inductor_option_names()
+    for key, _ in pairs:
+        expect(key in known, name, "Inductor config options (torch._inductor.config)", f"unknown {key!r}",
+               closest(key, known) or "see torch._inductor.config for the names", ConfigError, raw=True)
+        expect(key not in _REFUSED_INDUCTOR_OPTIONS, name, "options that keep pieces capturable", repr(key),
+               f"remove it: {_REFUSED_INDUCTOR_OPTIONS.get(key)}", ConfigError, raw=True)
+
+
 _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "splitting_ops": _ops,
     "capture_sizes": _capture_sizes,
@@ -225,4 +288,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "fold_grouped_query": _bool,
     "padding": _optional_bool,
     "exact_size_limit": _count("0 runs graphs that cannot be padded without CUDA graphs"),
+    "compile_sizes": _compile_sizes,
+    "inductor_options": _inductor_options,
+    "size_inductor_options": _inductor_options,
 }

@@ -43,4 +43,6 @@ class BackendStats:
     capturable_pieces: int = 0
     compilations: int = 0
     graphs_captured: int = 0
+    specialised_compilations: int = 0  # compiles at one of Config.compile_sizes (one per distinct piece and size)
+    specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)

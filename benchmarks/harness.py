@@ -1,0 +1,188 @@
+"""The benchmark method, once: every benchmark here times its variants with these helpers.
+
+    timing      `time_steps` times one window of steps: CUDA events around each step on a
+                GPU, the host clock elsewhere, after untimed warm-up steps.
+    rounds      `run_interleaved` runs every (variant, case) in rounds, one window each,
+                variants taking turns: the GPU machine is a VM whose host slows by up to 2x
+                for seconds at a time, and taking turns lets every variant see the same
+                phases. `Timing.of(windows)` keeps the median of every step (the verdict),
+                the lowest window median (the host at its quietest) and the mean.
+    floor       `measure_peak_bandwidth` copies a large buffer on the device (bytes read +
+                written, median of several copies); `floor_ms(bytes, peak)` is the time a
+                step that must read `bytes` cannot beat.
+    report      `environment` (versions, device, commit), `write_json`, `log`, `guarded`
+                (one failing variant must not stop the others).
+
+A benchmark file keeps only its model, its variants and its targets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from typing import Callable, Hashable, TypeVar
+
+import torch
+
+_T0 = time.perf_counter()
+T = TypeVar("T")
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
+
+
+class Unavailable(RuntimeError):
+    """A variant that cannot run here (a library is missing); its row gives the reason."""
+
+
+def guarded(what: str, fn: Callable):
+    """(fn(), None), or (None, the error in words) when fn raises; the run goes on either way."""
+    try:
+        return fn(), None
+    except Unavailable as e:  # a missing library: the reason is the whole story
+        log(f"  {what} skipped: {e}")
+        return None, str(e)
+    except Exception as e:  # one failing variant must not stop the others
+        traceback.print_exc()
+        log(f"  {what} FAILED: {type(e).__name__}: {e}")
+        return None, f"{type(e).__name__}: {e}"
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device | str) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def dynamo_graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+# -- timing --------------------------------------------------------------------------------
+
+
+def time_steps(step: Callable[[int], object], steps: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of `steps` calls step(k), after `warmup` untimed ones."""
+    for k in range(warmup):
+        step(k)
+    if device.type != "cuda":
+        return [_host_ms(step, k) for k in range(steps)]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    synchronize(device)
+    for k, (begin, end) in enumerate(events):
+        begin.record()
+        step(k)
+        end.record()
+    torch.cuda.synchronize(device)
+    return [begin.elapsed_time(end) for begin, end in events]
+
+
+def _host_ms(step: Callable[[int], object], k: int) -> float:
+    t0 = time.perf_counter()
+    step(k)
+    return (time.perf_counter() - t0) * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_ms: float  # median of every timed step: the verdict
+    best_window_ms: float  # lowest window median: the host at its quietest (informative)
+    mean_ms: float
+
+    @classmethod
+    def of(cls, windows: list[list[float]]) -> "Timing":
+        every = [ms for w in windows for ms in w]
+        return cls(statistics.median(every), min(statistics.median(w) for w in windows), statistics.fmean(every))
+
+
+Key = tuple[str, Hashable]  # (variant, case), e.g. ("cgcompile-inductor", 8)
+
+
+def run_interleaved(windows: dict[Key, Callable[[], T]], rounds: int) -> tuple[dict[Key, list[T]], dict[str, str]]:
+    """Call every window once per round, in the order given, for `rounds` rounds.
+
+    Returns each key's samples (one per round) and, for each variant whose window raised,
+    the error: that variant (every case of it) sits out the later rounds, its samples dropped.
+    """
+    samples: dict[Key, list[T]] = {key: [] for key in windows}
+    errors: dict[str, str] = {}
+    for _ in range(rounds):
+        for key, window in windows.items():
+            if key[0] in errors:
+                continue
+            sample, error = guarded(f"{key[0]} timing", window)
+            if error is not None:
+                errors[key[0]] = error
+            else:
+                samples[key].append(sample)
+    return {key: s for key, s in samples.items() if key[0] not in errors}, errors
+
+
+# -- the bandwidth floor -------------------------------------------------------------------
+
+
+def measure_peak_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """GB/s of a device-to-device copy of `nbytes` (read + written), median of `repeats`.
+
+    What a bandwidth-bound kernel can reach on this device, measured rather than taken
+    from a data sheet (an H100's copy reaches about 80-90% of its nominal figure)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch
+    ms = time_steps(lambda k: dst.copy_(src), repeats, 1, device)
+    return 2 * nbytes / (statistics.median(ms) / 1e3) / 1e9
+
+
+def floor_ms(nbytes: int, peak_gbs: float) -> float:
+    """The time a step that must read `nbytes` once cannot beat at `peak_gbs`."""
+    return nbytes / (peak_gbs * 1e9) * 1e3
+
+
+def parameter_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def environment(device: torch.device | str, **extra) -> dict:
+    device = torch.device(device)
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cuda": torch.version.cuda,
+    }
+    with contextlib.suppress(Exception):
+        env["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    return env | extra
+
+
+def default_out(filename: str) -> str:
+    """$OUT/filename when OUT is set (the GPU machine's result folder), else ./filename."""
+    return os.path.join(os.environ["OUT"], filename) if os.environ.get("OUT") else filename
+
+
+def write_json(path: str, report: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)

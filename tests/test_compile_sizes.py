@@ -1,0 +1,105 @@
+"""Config.compile_sizes (specialised compiles for hot sizes) and Config.inductor_options, on CPU."""
+
+import pytest
+import torch
+
+import cgcompile
+import cgcompile.piece_compiler
+from cgcompile.testing import SILLY_OP, ToyLlama
+
+
+def _compile(compiler: str, **fields):
+    torch.manual_seed(0)
+    model = ToyLlama(3)
+    config = cgcompile.Config(compiler=compiler, splitting_ops=[SILLY_OP], capture_sizes=(1, 2, 4, 8), **fields)
+    backend = cgcompile.Backend(config)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _call(model, compiled, n: int):
+    ids = torch.randint(0, 64, (n,))
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch.testing.assert_close(compiled(ids), model(ids))
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_compile_sizes_specialise_each_distinct_piece_once_per_size(compiler):
+    model, backend, compiled = _compile(compiler, compile_sizes=(2, 8), padding=True)
+    _call(model, compiled, 3)  # padded to 4: the general compile only
+    assert backend.stats.specialised_compilations == 0
+    _call(model, compiled, 6)  # padded to 8: 3 distinct pieces of 4 get their size-8 code
+    assert backend.stats.specialised_compilations == 3
+    _call(model, compiled, 5)  # 8 again: compiled already
+    _call(model, compiled, 2)
+    assert backend.stats.specialised_compilations == 6
+    assert backend.stats.compilations == (3 if compiler == "inductor" else 0)
+    assert backend.stats.specialise_s > 0
+
+
+def test_specialised_code_has_the_size_fixed():
+    model, backend, compiled = _compile("eager", compile_sizes=(4,), padding=True)
+    _call(model, compiled, 3)
+    specialised = [r.fn for r in backend.runtimes[0].runners if isinstance(r.fn, cgcompile.size_specialise.SizeSpecialised)]
+    assert len(specialised) == 4
+    for fn in specialised:
+        (gm,) = fn.specialised.values()
+        shapes = [n.meta["val"].shape for n in gm.graph.nodes if n.op == "placeholder"
+                  and isinstance(n.meta.get("val"), torch.Tensor)]
+        assert all(type(s) is int for shape in shapes for s in shape), shapes
+        assert 4 in {shape[0] for shape in shapes if shape}
+
+
+def test_compile_sizes_at_exact_sizes():
+    model, backend, compiled = _compile("inductor", compile_sizes=(2,), padding=False)
+    _call(model, compiled, 3)
+    _call(model, compiled, 2)
+    assert backend.stats.specialised_compilations == 3
+    _call(model, compiled, 1)
+    assert backend.stats.specialised_compilations == 3
+
+
+def test_inductor_options_reach_every_compile(monkeypatch):
+    seen = []
+    real = cgcompile.piece_compiler.inductor_compile
+
+    def spy(gm, example_inputs, options=None):
+        seen.append((all(type(s) is int for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape),
+                     dict(options or {})))
+        return real(gm, example_inputs, options)
+
+    monkeypatch.setattr(cgcompile.piece_compiler, "inductor_compile", spy)
+    model, backend, compiled = _compile(
+        "inductor", compile_sizes=(4,), padding=True,
+        inductor_options={"epilogue_fusion": False}, size_inductor_options={"coordinate_descent_tuning": True},
+    )
+    _call(model, compiled, 3)
+    general = [opts for static, opts in seen if not static]
+    at_size = [opts for static, opts in seen if static]
+    assert general == [{"epilogue_fusion": False}] * 3
+    assert at_size == [{"epilogue_fusion": False, "coordinate_descent_tuning": True}] * 3
+
+
+def test_options_are_stored_as_sorted_pairs():
+    config = cgcompile.Config(inductor_options={"max_autotune_gemm": True, "coordinate_descent_tuning": True})
+    assert config.inductor_options == (("coordinate_descent_tuning", True), ("max_autotune_gemm", True))
+    hash(config)
+    assert cgcompile.Config.from_options({"compile_sizes": [1, 8]}).compile_sizes == (1, 8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"compile_sizes": (3,)}, "compile_sizes: expected sizes from capture_sizes, got [3]"),
+    ({"compile_sizes": (0,)}, "compile_sizes: expected positive ints, got [0]"),
+    ({"compile_sizes": (1, 1)}, "compile_sizes: expected each size once"),
+    ({"compile_sizes": 8}, "compile_sizes: expected a tuple or list of capture sizes, got 8 (int)"),
+    ({"inductor_options": {"coordinate_descent_tunning": True}},
+     "inductor_options: expected Inductor config options (torch._inductor.config), got unknown "
+     "'coordinate_descent_tunning'; did you mean 'coordinate_descent_tuning'?"),
+    ({"size_inductor_options": {"triton.cudagraphs": True}},
+     "size_inductor_options: expected options that keep pieces capturable, got 'triton.cudagraphs'"),
+    ({"inductor_options": {1: True}}, "inductor_options: expected a dict with str keys"),
+    ({"inductor_options": "max_autotune"}, "inductor_options: expected a dict of Inductor config options"),
+])
+def test_bad_compile_sizes_and_options(fields, message):
+    with pytest.raises(cgcompile.ConfigError) as info:
+        cgcompile.Config(capture_sizes=(1, 2, 4, 8), **fields)
+    assert message in str(info.value)

@@ -1,0 +1,53 @@
+"""benchmarks/step_kernels.py on a hand-made profiler trace: classes, bandwidth, gaps."""
+
+import pytest
+
+from benchmarks.step_kernels import classify, format_breakdown
+
+
+def _launch(name, ts, corr):
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+
+def _kernel(name, ts, dur, corr, cat="kernel"):
+    return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+# One step: a graph replay (a GEMV and a Triton norm), the eager attention op (a bmm
+# and a softmax), an input copy, and a second replay (a cuBLAS GEMM).
+TRACE = {"traceEvents": [
+    _launch("cudaGraphLaunch", 0, 1),
+    _kernel("gemv2T_kernel_val", 10, 100, 1),
+    _kernel("triton_red_fused_mean_mul_0", 110, 10, 1),
+    {"cat": "cpu_op", "name": "cgbench::decode_attention", "ts": 20, "dur": 30},
+    _launch("cudaLaunchKernel", 25, 2),
+    _kernel("ampere_bf16_s16816gemm_bf16_64x64", 125, 20, 2),  # a bmm, but inside attention
+    _launch("cudaLaunchKernel", 30, 3),
+    _kernel("softmax_warp_forward", 150, 10, 3),
+    _launch("cudaMemcpyAsync", 60, 4),
+    _kernel("Memcpy DtoD (Device -> Device)", 170, 5, 4, cat="gpu_memcpy"),
+    _launch("cudaGraphLaunch", 70, 5),
+    _kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 180, 200, 5),
+]}
+
+
+def test_kernels_are_classified_with_bandwidth_and_gaps():
+    b = classify(TRACE, 1, ("decode_attention",), {"gemm": 300_000_000, "attention": 1_000_000}, peak_gbs=3000)
+    classes = {c.name: c for c in b.classes}
+    assert {n: round(c.ms_per_step, 3) for n, c in classes.items()} == {
+        "attention": 0.03, "copy": 0.005, "elementwise": 0.01, "gemm": 0.3}
+    assert classes["gemm"].gbs == pytest.approx(1000.0)  # 300 MB in 0.3 ms
+    assert classes["gemm"].of_peak == pytest.approx(1 / 3)
+    assert classes["elementwise"].gbs is None
+    assert b.kernel_ms_per_step == pytest.approx(0.345)
+    assert b.span_ms_per_step == pytest.approx(0.37)
+    # idle: 120->125 graph->eager 5 us, 145->150 eager->eager 5 us, 160->170 eager->eager
+    # 10 us, 175->180 eager->graph 5 us
+    assert b.gap_ms_per_step == pytest.approx({"graph->eager": 0.005, "eager->eager": 0.015, "eager->graph": 0.005})
+    text = format_breakdown(b, floor_ms=0.1, peak_gbs=3000)
+    assert "gemm" in text and "33%" in text and "graph->eager 0.005 ms" in text
+
+
+def test_no_kernels_gives_an_empty_breakdown():
+    b = classify({"traceEvents": []}, 2, ("attention",), {}, peak_gbs=1000)
+    assert (b.classes, b.kernel_ms_per_step, b.gap_ms_per_step) == ([], 0.0, {})
