@@ -44,6 +44,7 @@ def _load_passes_beside_the_package() -> None:
 _load_passes_beside_the_package()
 
 from .backend import Backend, CaptureMemoryProfile  # noqa: E402  (after the passes are importable)
+from .compile_scope import backend_of  # noqa: E402
 from .breakable import BreakableRunner, eager_break  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError  # noqa: E402
@@ -53,6 +54,7 @@ from .pool import GraphPool  # noqa: E402
 
 __all__ = [
     "ArgumentError",
+    "backend_of",
     "Backend",
     "BackendStats",
     "BreakableRunner",

@@ -41,6 +41,7 @@ from .aot_capture import (
     requested_sizes,
 )
 from .capture import CaptureSession
+from .compile_scope import backend_for_this_compile
 from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
@@ -405,7 +406,7 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device:
 def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
     """Entry point for `torch.compile(model, backend="cgcompile", options={...})`.
 
-    Each graph gets its own Backend; to share one pool, stats and compiled pieces across
-    all graphs of a model, pass `backend=cgcompile.Backend(config)` instead.
+    Every graph of one torch.compile call goes to one Backend (one pool, one compile
+    cache; see `cgcompile.compile_scope`); `cgcompile.backend_of(compiled)` returns it.
     """
-    return Backend(Config.from_options(options))(gm, example_inputs)
+    return backend_for_this_compile(options)(gm, example_inputs)
