@@ -49,6 +49,7 @@ from .breakable import BreakableRunner, eager_break  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError  # noqa: E402
 from .manager import GraphManager  # noqa: E402
+from .memory_plan import MemoryPlan, SizePlan  # noqa: E402
 from .piece import BackendStats, Piece  # noqa: E402
 from .pool import GraphPool  # noqa: E402
 
@@ -65,6 +66,8 @@ __all__ = [
     "ConfigError",
     "GraphManager",
     "GraphPool",
+    "MemoryPlan",
     "Piece",
+    "SizePlan",
     "eager_break",
 ]
