@@ -233,8 +233,16 @@ def _require_no_graphs(culprit: str, backend) -> None:
 def capture_within_budget(backend, model, make_inputs: MakeInputs, memory_budget: int, sizes=None,
                           progress: bool = True, name: str = "model") -> MemoryPlan:
     """Plan, then capture the kept sizes into the backend's pool; see the module docstring
-    for what calls of the other sizes do. Returns the plan with the measured pool."""
+    for what calls of the other sizes do. Returns the plan with the measured pool.
+
+    Graphs captured before (lazily, by earlier calls) are dropped first: the budget
+    covers every graph in the pool."""
     check_budget("Backend.capture", memory_budget)
+    require_cuda_graphs("Backend.capture", backend.config.cudagraphs is not False, "Config.cudagraphs=False")
+    if backend.graphs_held():
+        log.info("cgcompile: %s: dropping %d graphs captured before, so the budget covers the whole pool",
+                 name, backend.graphs_held())
+        backend.clear()
     plan = profile_plan(backend, model, make_inputs, sizes, memory_budget, name, "Backend.capture")
     kept = list(plan.captured)
     while True:
