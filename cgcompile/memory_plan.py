@@ -46,7 +46,7 @@ class SizePlan:
     """One capture size: the graphs its capture makes and the pool once it is captured."""
 
     size: int
-    graphs: int  # CUDA graphs a capture of this size makes (measured, or counted without CUDA)
+    graphs: int | None  # CUDA graphs a capture of this size makes (measured or counted); None: not profiled
     pool_bytes: int | None  # pool holding this size and every larger one of the plan; None: not measured
 
 
@@ -67,7 +67,7 @@ class MemoryPlan:
 
     @property
     def graphs(self) -> int:
-        return sum(row.graphs for row in self.sizes if row.size in self.captured)
+        return sum(row.graphs or 0 for row in self.sizes if row.size in self.captured)
 
     @property
     def estimate_bytes(self) -> int | None:
@@ -97,7 +97,7 @@ def format_plan(plan: dict) -> str:
     """The plan as a table: one row per size, then what calls of other sizes do."""
     captured = plan["captured"]
     rows = [(r["size"], r["graphs"], r["pool_bytes"]) for r in plan["sizes"]]
-    graphs = sum(g for s, g, _ in rows if s in captured)
+    graphs = sum(g or 0 for s, g, _ in rows if s in captured)
     estimate = next((b for s, _, b in reversed(rows) if s in captured), 0) if captured else 0
     head = [f"model {plan['name']}: {len(captured)} of {len(rows)} sizes captured, {graphs} graphs, "
             f"estimate {_mib(estimate)}"]
@@ -107,6 +107,7 @@ def format_plan(plan: dict) -> str:
         head.append(f"budget {_mib(plan['budget'])}")
     lines = [", ".join(head), f"  {'size':>6}  {'graphs':>6}  {'pool after':>12}  captured"]
     for size, count, pool in rows:
+        count = "?" if count is None else count
         lines.append(f"  {size:>6}  {count:>6}  {_mib(pool):>12}  {'yes' if size in captured else 'no'}")
     if captured:
         lines.append(f"  a call of size n runs padded to the smallest captured size >= n; "
@@ -193,8 +194,12 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
         if kept or len(remaining) == 1:
             break
         remaining = remaining[1:]  # the largest alone does not fit: measure the rest without it
-    skipped = [SizePlan(s, 0, None) for s in sorted(set(sizes), reverse=True) if s not in remaining]
-    return MemoryPlan(name, tuple(skipped + rows), kept, memory_budget)
+    # Sizes never profiled: above the kept ones (they did not fit alone), or below where
+    # the profile stopped (the pool had passed the budget already).
+    profiled = {row.size for row in rows}
+    unmeasured = {s: SizePlan(s, None, None) for s in sizes if s not in profiled}
+    ordered = sorted([*rows, *unmeasured.values()], key=lambda row: -row.size)
+    return MemoryPlan(name, tuple(ordered), kept, memory_budget)
 
 
 def fitting_sizes(rows: tuple[SizePlan, ...], budget: int | None) -> tuple[int, ...]:

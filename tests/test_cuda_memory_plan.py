@@ -212,7 +212,7 @@ def test_draft_beside_target_with_the_string_backend():
     for n in (4, 4, 4, 16, 4, 4, 4, 16):  # draft steps, then the target verifies a longer run
         for model, compiled in ((draft, draft_c), (target, target_c)):
             ids = _ids(n)
-            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
 
 
 class _TwoGraphs(nn.Module):

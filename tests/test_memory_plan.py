@@ -116,7 +116,7 @@ def test_a_budget_on_cpu_says_cuda_is_needed():
 
 
 def test_inspect_prints_the_plan(tmp_path):
-    plan = MemoryPlan("vision", (SizePlan(32, 5, 48 << 20), SizePlan(8, 5, 50 << 20), SizePlan(1, 0, None)),
+    plan = MemoryPlan("vision", (SizePlan(32, 5, 48 << 20), SizePlan(8, 5, 50 << 20), SizePlan(1, None, None)),
                       (32, 8), budget=64 << 20, actual_bytes=50 << 20)
     write_plan(str(tmp_path), plan)
     assert read_plans(str(tmp_path)) == [json.loads(json.dumps(plan.to_dict()))]
@@ -128,7 +128,7 @@ def test_inspect_prints_the_plan(tmp_path):
     assert lines[1] == ("model vision: 2 of 3 sizes captured, 10 graphs, estimate 50.0 MiB, "
                         "actual 50.0 MiB, budget 64.0 MiB")
     assert lines[3].split() == ["32", "5", "48.0", "MiB", "yes"]
-    assert lines[5].split() == ["1", "0", "unknown", "no"]
+    assert lines[5].split() == ["1", "?", "unknown", "no"]
     assert "above 32 it runs without graphs" in lines[6]
     assert format_plan(plan.to_dict()) == "\n".join(lines[1:])
 
@@ -137,3 +137,36 @@ def test_a_broken_plan_file_is_named(tmp_path):
     (tmp_path / "memory_plan.x.json").write_text("{}")
     with pytest.raises(ArgumentError, match="memory_plan.x.json: expected a memory plan written by cgcompile"):
         read_plans(str(tmp_path))
+
+
+def test_profile_drops_sizes_that_do_not_fit_alone_and_stops_past_the_budget(monkeypatch):
+    """The choice profile_plan makes from measured pools, with the measuring faked (it needs CUDA)."""
+    from cgcompile import aot_capture, memory_plan
+
+    calls = []
+
+    def fake_profile(backend, model, make_inputs, sizes, stop_above):
+        calls.append(tuple(sizes))
+        rows, pool = [], 0
+        for i, size in enumerate(sizes):
+            pool = size * 10 if i == 0 else pool + 1  # the top size sets the pool; smaller ones add a byte
+            rows.append(SizePlan(size, 3, pool))
+            if stop_above is not None and pool > stop_above:
+                break
+        return tuple(rows)
+
+    monkeypatch.setattr(aot_capture, "cuda_present", lambda: True)
+    monkeypatch.setattr(memory_plan, "_profile", fake_profile)
+    _, backend, compiled = _compiled()
+    make = lambda size, warmup: (_ids(size),)  # noqa: E731
+    plan = backend.plan_memory(compiled, make, memory_budget=41)
+    assert calls == [(8, 4, 2), (4, 2)]  # 8 alone is 80 bytes: measured again without it
+    assert [(r.size, r.graphs, r.pool_bytes) for r in plan.sizes] == [(8, None, None), (4, 3, 40), (2, 3, 41)]
+    assert plan.captured == (4, 2) and plan.estimate_bytes == 41 and plan.runs_at(5) is None
+    calls.clear()
+    plan = backend.plan_memory(compiled, make, memory_budget=80)
+    assert calls == [(8, 4, 2)] and plan.captured == (8,)
+    assert [(r.size, r.pool_bytes) for r in plan.sizes] == [(8, 80), (4, 81), (2, None)]
+    calls.clear()
+    assert backend.plan_memory(compiled, make, memory_budget=5).captured == ()
+    assert calls == [(8, 4, 2), (4, 2), (2,)]
