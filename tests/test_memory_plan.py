@@ -170,3 +170,14 @@ def test_profile_drops_sizes_that_do_not_fit_alone_and_stops_past_the_budget(mon
     calls.clear()
     assert backend.plan_memory(compiled, make, memory_budget=5).captured == ()
     assert calls == [(8, 4, 2), (4, 2), (2,)]
+
+
+def test_a_plan_lands_in_the_dump_folder(tmp_path):
+    model, backend, compiled = _compiled(dump_dir=str(tmp_path))
+    compiled(_ids(3))
+    plan = backend.plan_memory(name="decoder")
+    assert read_plans(str(tmp_path)) == [json.loads(json.dumps(plan.to_dict()))]
+    result = subprocess.run([sys.executable, "-m", "cgcompile.inspect", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "model decoder: 3 of 3 sizes captured, 9 graphs, estimate unknown" in result.stdout
