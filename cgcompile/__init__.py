@@ -44,15 +44,18 @@ def _load_passes_beside_the_package() -> None:
 _load_passes_beside_the_package()
 
 from .backend import Backend, CaptureMemoryProfile  # noqa: E402  (after the passes are importable)
+from .compile_scope import backend_of  # noqa: E402
 from .breakable import BreakableRunner, eager_break  # noqa: E402
 from .config import Config  # noqa: E402
 from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError  # noqa: E402
 from .manager import GraphManager  # noqa: E402
+from .memory_plan import MemoryPlan, SizePlan  # noqa: E402
 from .piece import BackendStats, Piece  # noqa: E402
 from .pool import GraphPool  # noqa: E402
 
 __all__ = [
     "ArgumentError",
+    "backend_of",
     "Backend",
     "BackendStats",
     "BreakableRunner",
@@ -64,6 +67,8 @@ __all__ = [
     "DistributedError",
     "GraphManager",
     "GraphPool",
+    "MemoryPlan",
     "Piece",
+    "SizePlan",
     "eager_break",
 ]

@@ -6,6 +6,7 @@ steps it takes. Everything it decides is recorded in `stats` and `pieces`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -41,6 +42,8 @@ from .aot_capture import (
     requested_sizes,
 )
 from .capture import CaptureSession
+from .compile_scope import backend_for_this_compile
+from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
 from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
@@ -96,6 +99,7 @@ class Backend:
             dict(self.config.inductor_options), dict(self.config.size_inductor_options),
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
+        self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
 
     @property
     def stats(self) -> BackendStats:
@@ -296,14 +300,24 @@ class Backend:
 
     # -- CUDA graph management -------------------------------------------------------------
 
-    def capture(self, model, make_inputs: MakeInputs, sizes=None, progress: bool = True) -> int:
+    def capture(self, model, make_inputs: MakeInputs, sizes=None, progress: bool = True, *,
+                memory_budget: int | None = None, name: str = "model") -> int:
         """Capture every size ahead of time (largest first); returns the graphs captured.
 
         model is the compiled model (what torch.compile returned); make_inputs(size, warmup)
         returns its inputs for one call of that size (a tuple, a dict of kwargs or one value).
         Raises CaptureError before running anything without CUDA or with cudagraphs=False,
         and after running every size if no graph could be captured at all.
+
+        memory_budget: bytes the pool may hold. The sizes are profiled first, the largest
+        kept while the pool fits, and calls of the others padded up to a captured size or
+        run without graphs (see `cgcompile.memory_plan`); `self.memory_plan` records it
+        all, under `name`.
         """
+        if memory_budget is not None:
+            check_capture_call("Backend.capture", model, make_inputs, progress)
+            self.memory_plan = capture_within_budget(self, model, make_inputs, memory_budget, sizes, progress, name)
+            return self.memory_plan.graphs
         check_capture_call("Backend.capture", model, make_inputs, progress)
         sizes = requested_sizes("Backend.capture", sizes, self.config.capture_sizes, bounded=True)
         require_cuda_graphs("Backend.capture", self.config.cudagraphs is not False, "Config.cudagraphs=False")
@@ -314,6 +328,27 @@ class Backend:
     def graph_memory(self) -> int:
         """Bytes the shared pool holds now."""
         return self.session.graph_memory()
+
+    def graphs_held(self) -> int:
+        """CUDA graphs the runners hold now (0 after clear())."""
+        return sum(len(r.graphs) for r in self._graph_runners())
+
+    def plan_memory(self, model=None, make_inputs: MakeInputs | None = None, sizes=None, *,
+                    memory_budget: int | None = None, name: str = "model") -> MemoryPlan:
+        """How many graphs and bytes a capture of `sizes` takes, before capturing.
+
+        Without model and make_inputs: graphs counted from the Dynamo graphs traced so
+        far, bytes unknown (no CUDA needed). With them: measured on CUDA in a temporary
+        pool, and the sizes a capture under `memory_budget` keeps. See `cgcompile.memory_plan`.
+        """
+        if model is None and make_inputs is None:
+            expect(memory_budget is None, "plan_memory: memory_budget", "None without model and make_inputs",
+                   memory_budget, "pass the compiled model and make_inputs: bytes are measured on CUDA")
+            plan = count_graphs(self, sizes, name)
+        else:
+            plan = profile_plan(self, model, make_inputs, sizes, memory_budget, name)
+        write_plan(self.config.resolved_dump_dir(), plan)
+        return plan
 
     def profile_capture_memory(self, model, make_inputs: MakeInputs, sizes=None) -> "CaptureMemoryProfile":
         """Capture the sizes into a temporary pool, measure it, release everything.
@@ -329,25 +364,33 @@ class Backend:
                 "profile_capture_memory: expected no captured graphs, got some; call it before the "
                 "first capture or after clear()"
             )
+        with self.probe_session(sizes) as probe:
+            graphs = capture_all(probe, model, make_inputs, sizes, progress=False)
+            require_captured("profile_capture_memory", probe)
+            reserved = probe.pool.bytes_reserved()
+        return CaptureMemoryProfile(reserved, graphs)
+
+    @contextlib.contextmanager
+    def probe_session(self, sizes: tuple[int, ...]):
+        """Every graph runner captures into a temporary session (its own pool) meanwhile;
+        on leaving, that session's graphs and pool are released and the runners return."""
         probe = CaptureSession.for_config(self.config, sizes=sizes)
         previous, self.session = self.session, probe
         for runner in self._graph_runners():
             runner.session = probe
             probe.register(runner)
         try:
-            graphs = capture_all(probe, model, make_inputs, sizes, progress=False)
-            require_captured("profile_capture_memory", probe)
-            reserved = probe.pool.bytes_reserved()
+            yield probe
         finally:
             probe.clear()
             self.session = previous
             for runner in self._graph_runners():
                 runner.session = previous
                 previous.register(runner)
-        return CaptureMemoryProfile(reserved, graphs)
 
     def clear(self) -> None:
-        """Release every graph and the pool; later calls capture again lazily."""
+        """Release every graph and the pool; later calls capture again lazily (at every
+        configured size again, after a capture under a memory budget)."""
         self.session.clear()
 
     def _graph_runners(self) -> list[CudaGraphPiece]:
@@ -410,7 +453,7 @@ def _graph_device(gm: torch.fx.GraphModule) -> torch.device:
 def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
     """Entry point for `torch.compile(model, backend="cgcompile", options={...})`.
 
-    Each graph gets its own Backend; to share one pool, stats and compiled pieces across
-    all graphs of a model, pass `backend=cgcompile.Backend(config)` instead.
+    Every graph of one torch.compile call goes to one Backend (one pool, one compile
+    cache; see `cgcompile.compile_scope`); `cgcompile.backend_of(compiled)` returns it.
     """
-    return Backend(Config.from_options(options))(gm, example_inputs)
+    return backend_for_this_compile(options)(gm, example_inputs)

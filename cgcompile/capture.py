@@ -81,6 +81,9 @@ class CaptureSession:
         self.error_mode = error_mode
         self.check_addresses = check_addresses
         self.mode = Mode.LAZY
+        # False after a capture under a memory budget: a call that finds no graph for its
+        # size runs without one instead of capturing it lazily (see `cgcompile.memory_plan`).
+        self.lazy_capture = True
         self.graphs_captured = 0
         self._pool = pool
         self._pool_given = pool is not None  # a shared pool outlives clear()
@@ -240,6 +243,8 @@ class CaptureSession:
                 runner.clear()
         self.live_outputs.clear()
         self._retired.clear()
+        self.lazy_capture = True
+        self.padding.use(self.padding.configured)
         if not self._pool_given:
             self._pool = None
         torch.cuda.synchronize()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -102,4 +104,49 @@ def process_group_backend(group_name: str, device_type: str) -> str | None:
         kind, _, name = entry.partition(":")
         if kind == device_type:
             return name
+    return None
+
+
+def _torch_compile_wrapper_type():
+    """The class torch.compile builds once per call to hold a string backend and its options."""
+    return getattr(torch, "_TorchCompileWrapper", None)
+
+
+def torch_compile_call_on_stack(depth: int = 8):
+    """The per-call object of the `torch.compile(...)` whose backend is running now, or None.
+
+    Dynamo calls a string backend through that object's `__call__` (a frame or two above
+    the backend); no argument of the backend names it.
+    """
+    wrapper = _torch_compile_wrapper_type()
+    if wrapper is None:
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code is wrapper.__call__.__code__:
+            return frame.f_locals.get("self")
+        frame = frame.f_back
+    return None
+
+
+def torch_compile_call_of(compiled):
+    """The per-call object behind what torch.compile returned (a module or a function),
+    or behind a module compiled in place with `module.compile(...)`; None if not found."""
+    wrapper = _torch_compile_wrapper_type()
+    if wrapper is None:
+        return None
+    candidates = [getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)]
+    for fn in (compiled, getattr(compiled, "_compiled_call_impl", None)):
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                candidates.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+    for candidate in candidates:
+        for _ in range(8):  # Dynamo's callbacks name what they wrap in _torchdynamo_orig_backend
+            if isinstance(candidate, wrapper):
+                return candidate
+            candidate = getattr(candidate, "_torchdynamo_orig_backend", None)
     return None

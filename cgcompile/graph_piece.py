@@ -5,7 +5,9 @@ Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture di
     the capture size n is padded to, n itself (a graph run at exact sizes), or None (no
     graph: n above the largest capture size, or past the exact-size limit).
   - N None: run the compiled piece directly, inputs in their traced layout.
-  - otherwise the graph of size N is captured on first use.
+  - otherwise the graph of size N is captured on first use; once the session takes no
+    new graphs (after a capture under a memory budget), a size without a graph runs the
+    compiled piece directly, as for N None.
   - inputs that are parameters or buffers are captured by address (never copied);
     an input whose address and strides equal the captured ones (the output of the
     previous piece's graph, or a registered persistent buffer such as a pipeline
@@ -155,6 +157,8 @@ class CudaGraphPiece(PieceRunner):
         if size is None:
             return self.fn(*self.traced.conform(args, n))
         entry = self.graphs.get(size)
+        if entry is None and self.session.mode is Mode.LAZY and not self.session.lazy_capture:
+            return self.fn(*self.traced.conform(args, n))  # no graph, and none may be added now
         if entry is None or self.session.mode is not Mode.LAZY:
             return self._first_call(args, n, size, entry)
         return self._replay(entry, args, n, size)

@@ -1,4 +1,5 @@
-"""`python -m cgcompile.inspect DUMP_DIR`: print the split summary of every dumped graph."""
+"""`python -m cgcompile.inspect DUMP_DIR`: print the split summary of every dumped graph,
+then the graph-memory plan of every model (sizes, graphs, bytes; see `cgcompile.memory_plan`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 from .dump import format_summary
 from .errors import ArgumentError, CGCompileError, expect, expected
+from .memory_plan import format_plan, read_plans
 
 _HOW_TO_DUMP = "compile with Config(dump_dir=...) or CGCOMPILE_DUMP_DIR set"
 _SUMMARY_KEYS = ("graph_index", "capture_dim", "pieces")
@@ -54,14 +56,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         found = summaries(args.dump_dir)
-        if not found:
-            raise ArgumentError(expected("dump_dir", "graph_<i>/summary.json files",
+        plans = read_plans(args.dump_dir)
+        if not found and not plans:
+            raise ArgumentError(expected("dump_dir", "graph_<i>/summary.json or memory_plan.<name>.json files",
                                          f"no cgcompile dump in {args.dump_dir!r}", _HOW_TO_DUMP, raw=True))
     except CGCompileError as e:  # a command line prints the message, not a traceback
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
     for summary in found:
         print(format_summary(summary))
+    if plans:
+        print("graph memory plan")
+    for plan in plans:
+        print(format_plan(plan))
     return 0
 
 

@@ -12,11 +12,18 @@ class PaddingTable:
     """Lookup from a runtime size to its capture size (None above the largest).
 
     A binary search over the sorted sizes: memory does not grow with the largest size.
+    `use` narrows the sizes to those a budgeted capture kept (see `cgcompile.memory_plan`);
+    `configured` stays the Config's sizes.
     """
 
     def __init__(self, capture_sizes: tuple[int, ...]):
-        self.sizes = tuple(sorted(capture_sizes))
-        self.largest = self.sizes[-1]
+        self.configured = tuple(sorted(capture_sizes))
+        self.use(self.configured)
+
+    def use(self, sizes) -> None:
+        """Pad to these sizes from now on; none at all runs every call without graphs."""
+        self.sizes = tuple(sorted(sizes))
+        self.largest = self.sizes[-1] if self.sizes else 0
 
     def padded(self, n: int) -> int | None:
         if not 0 < n <= self.largest:
