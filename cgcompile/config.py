@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from .errors import ConfigError, closest, expect, expected
+from .capturable_ops import CapturableOps, normalize_capturable
 from .split_ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
@@ -54,6 +55,11 @@ class Config:
         pads (every graph is captured at the exact sizes seen). A Dynamo graph whose
         capturable code mixes rows along the capture dimension is never padded, whatever
         this says (see `cgcompile.passes.padding_safety`).
+    capturable_split_ops: split ops that may be captured into one full graph of the whole
+        Dynamo graph ("attention", op objects or "ns::op[.overload]"; see
+        `cgcompile.capturable_ops`). A call replays the full graph when every host value
+        and every input address the split ops read equals the captured one, else it runs
+        piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
@@ -74,6 +80,7 @@ class Config:
     fold_grouped_query: bool = True
     padding: bool | None = None
     exact_size_limit: int = 32
+    capturable_split_ops: tuple[Any, ...] = ()
 
     def __new__(cls, *args, **kwargs):
         # Runs before the dataclass's generated __init__, so a misspelt or positional
@@ -88,10 +95,15 @@ class Config:
         for field in dataclasses.fields(self):
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         self.split_ops  # validates every splitting op name now, not at the first compile
+        self.capturable_ops
 
     @functools.cached_property
     def split_ops(self) -> SplitOps:
         return SplitOps(frozenset(normalize_op(op) for op in self.splitting_ops))
+
+    @functools.cached_property
+    def capturable_ops(self) -> CapturableOps:
+        return CapturableOps(frozenset(normalize_capturable(op) for op in self.capturable_split_ops))
 
     @property
     def max_capture_size(self) -> int:
@@ -129,7 +141,7 @@ class Config:
         return cls(**options)
 
 
-_TUPLE_FIELDS = ("splitting_ops", "capture_sizes")
+_TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "capturable_split_ops")
 
 
 def as_config(config: Any, culprit: str) -> Config:
@@ -225,4 +237,5 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "fold_grouped_query": _bool,
     "padding": _optional_bool,
     "exact_size_limit": _count("0 runs graphs that cannot be padded without CUDA graphs"),
+    "capturable_split_ops": _ops,
 }

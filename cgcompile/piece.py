@@ -44,3 +44,8 @@ class BackendStats:
     compilations: int = 0
     graphs_captured: int = 0
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)
+    # Calls of graphs that have a full-graph plan (Config.capturable_split_ops), by path;
+    # why the piecewise ones were, per case (see `cgcompile.full_graph`).
+    full_graph_calls: int = 0
+    piecewise_calls: int = 0
+    piecewise_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
