@@ -205,3 +205,33 @@ def test_declaration_accepts_attention_and_ops(entry):
 def test_declaration_refuses_what_is_not_an_op(entry):
     with pytest.raises(cgcompile.ConfigError, match="capturable_split_ops: expected"):
         cgcompile.Config(capturable_split_ops=(entry,))
+
+
+def interleaved_calls(rounds: int, device: str = "cpu"):
+    """(ids, pos) calls that interleave a 4-token prefill, a 1-token and a 3-token decode:
+    three static Dynamo graphs, each replayed between the others."""
+    calls, position = [], 0
+    for r in range(rounds):
+        for t in (4, 1, 3):
+            ids = (torch.arange(t) * 5 + r) % 64
+            calls.append((ids.to(device), torch.arange(position, position + t, device=device)))
+            position += t
+    return calls
+
+
+def run_calls(model, calls) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(ids, pos).clone() for ids, pos in calls]
+
+
+def test_prefill_and_decode_graphs_in_any_order():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder(max_len=64).eval()
+    calls = interleaved_calls(5)
+    expected = run_calls(copy.deepcopy(model), calls)
+    backend = cgcompile.Backend(FULL)
+    got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # Three graphs; each runs its first call piecewise, then the full path.
+    assert (backend.stats.graphs_seen, backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (3, 3, 12)
