@@ -13,7 +13,7 @@ import torch
 import cgcompile
 from cgcompile.testing import HOST_SCALE_OP, StaticCacheDecoder
 from test_full_graph import FULL, HOST_REASON, HostScaled, interleaved_calls, run_calls
-from test_hf_full_graph import NEW_TOKENS, generate, tiny_llama
+from test_hf_full_graph import NEW_TOKENS, check_decode_graph_calls, generate, tiny_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -104,9 +104,8 @@ def test_hf_static_cache_generate_from_full_graphs(batch):
     model.forward = torch.compile(model.forward, backend=backend)
     for _ in range(2):
         torch.testing.assert_close(generate(model, batch, cache_implementation="static"), expected, rtol=0, atol=0)
-    stats = backend.stats
-    assert stats.full_graph_calls + stats.piecewise_calls == 2 * NEW_TOKENS
-    assert stats.piecewise_calls <= 3, stats
+    check_decode_graph_calls(backend)
+    assert backend.stats.graphs_captured > 0
 
 
 def test_hf_dynamic_cache_stays_piecewise_on_cuda():
@@ -115,4 +114,5 @@ def test_hf_dynamic_cache_stays_piecewise_on_cuda():
     backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",)))
     model.forward = torch.compile(model.forward, backend=backend)
     torch.testing.assert_close(generate(model, 1), expected, rtol=0, atol=0)
-    assert backend.stats.full_graph_calls == 0 and backend.stats.piecewise_calls == NEW_TOKENS
+    # Graphs whose plan allows a full path count their calls; none may take it.
+    assert backend.stats.full_graph_calls == 0 and backend.stats.piecewise_calls > 0
