@@ -41,6 +41,7 @@ class ModelConfig:
 
 MODEL_CONFIGS = {
     "1b": ModelConfig(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=8192),
+    "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),  # Llama-3-8B shapes
     "small": ModelConfig(hidden=512, layers=16, heads=8, kv_heads=4, intermediate=1536),
     "tiny": ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256),
 }

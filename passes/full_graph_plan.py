@@ -20,7 +20,7 @@ arguments are made inside the graph or are inputs. So when every symbol has its 
 value and every input the eager nodes see is where it was, a replay computes what the
 eager run computes. It holds only for eager nodes that read nothing but their arguments:
 split ops the user declared capturable (`Config.capturable_split_ops`), in-place writes
-into inputs (checked by address) and ops on symbolic sizes (checked by value). Host
+into inputs (checked by address), ops on symbolic sizes (checked by value) and views. Host
 syncs and host-to-device copies can never be captured: their graph has no plan.
 """
 
@@ -36,10 +36,11 @@ from torch.fx import GraphModule, Node
 from ..compat import free_symbols
 from .graph_values import example_value
 from .split import SplitGraph
-from .split_rule import _view_base
+from .split_rule import _view_base, _view_parent
 
-# Rules whose eager nodes a full graph may hold, given the checks above.
-_CHECKED_RULES = frozenset({"input_mutation", "dynamic_shape", "dynamic_scalar"})
+# Rules whose eager nodes a full graph may hold: given the checks above, and views (a
+# stretch of views is kept out of piecewise graphs only because it launches nothing).
+_FULL_GRAPH_RULES = frozenset({"input_mutation", "dynamic_shape", "dynamic_scalar", "view_only"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str 
     nodes = {n.name: n for n in gm.graph.nodes}
     for spec in split.pieces:
         for reason in spec.reasons:
-            if reason.rule in _CHECKED_RULES:
+            if reason.rule in _FULL_GRAPH_RULES:
                 continue
             node = nodes.get(reason.node)
             if reason.rule == "split_op" and node is not None and capturable(node.target):
@@ -123,16 +124,29 @@ def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str 
 
 
 def _inputs_reached_by_eager_pieces(split: SplitGraph) -> set[Node]:
-    """Graph inputs an eager piece takes, directly or as the base of a view it takes."""
+    """Graph inputs that an op of an eager piece reads or writes, directly or through a
+    view (made in that piece or before it). Views alone read nothing: an input an eager
+    piece only views, for the capturable code after it, is no concern of the check."""
     reached = set()
     for spec in split.pieces:
         if spec.capturable:
             continue
-        for node in spec.inputs:
-            base = _view_base(node)
-            if base.op == "placeholder":
+        inner = [n for n in spec.graph.graph.nodes if n.op == "placeholder"]
+        for node, original in zip(inner, spec.inputs):
+            base = _view_base(original)
+            if base.op == "placeholder" and _used_by_an_op(node):
                 reached.add(base)
     return reached
+
+
+def _used_by_an_op(node: Node) -> bool:
+    """Whether an op other than a view takes `node` or a view of it."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        if _view_parent(user) is not node or _used_by_an_op(user):
+            return True
+    return False
 
 
 def _host_value_sources(placeholders: list[Node], capture_symbol) -> tuple | str:
