@@ -91,7 +91,12 @@ def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset
         return why
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     reached = _inputs_reached_by_eager_pieces(split)
-    by_address = tuple(i for i, n in enumerate(placeholders) if n in reached and _is_tensor(n))
+    # An input whose elements share memory (an expanded mask) cannot be copied into a
+    # buffer of its own layout: it is checked by address instead.
+    by_address = tuple(
+        i for i, n in enumerate(placeholders)
+        if _is_tensor(n) and (n in reached or (_overlaps(n) and n.name not in static_inputs))
+    )
     host_values = _host_value_sources(placeholders, capture_symbol)
     if isinstance(host_values, str):
         return host_values
@@ -170,3 +175,9 @@ def _host_value_sources(placeholders: list[Node], capture_symbol) -> tuple | str
 
 def _is_tensor(node: Node) -> bool:
     return isinstance(example_value(node), torch.Tensor)
+
+
+def _overlaps(node: Node) -> bool:
+    """Whether a stride of 0 (or one that is not a plain int) makes elements share memory."""
+    value = example_value(node)
+    return any(type(st) is not int or (st == 0 and sz != 1) for sz, st in zip(value.shape, value.stride()))

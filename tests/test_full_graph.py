@@ -235,3 +235,22 @@ def test_prefill_and_decode_graphs_in_any_order():
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     # Three graphs; each runs its first call piecewise, then the full path.
     assert (backend.stats.graphs_seen, backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (3, 3, 12)
+
+
+@torch.no_grad()
+def test_an_expanded_input_is_checked_by_address_not_copied():
+    """A buffer of an expanded input's own layout would share memory between elements,
+    so the plan checks such an input by address (here one only capturable code reads)."""
+    def step(q, bias):  # q: [1, 2, 4, 8], bias: [1, 2, 4, 8] expanded from [8]
+        k = q * 2
+        return F.scaled_dot_product_attention(k, k, k) + bias
+
+    backend = cgcompile.Backend(FULL)
+    compiled = torch.compile(step, backend=backend)
+    q, bias = torch.randn(1, 2, 4, 8), torch.randn(8).expand(1, 2, 4, 8)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(q, bias), step(q, bias), rtol=0, atol=0)
+    plan = backend.runtimes[0].full.plan
+    assert [plan.names[i] for i in plan.by_address] == ["l_bias_"]
+    assert [plan.names[i] for i in plan.copied] == ["l_q_"]
+    assert backend.stats.full_graph_calls == 2
