@@ -5,14 +5,16 @@ with the call's own arguments. A full graph freezes them. It is still right for 
 when the call hands the graph exactly what it was captured with, so the plan hoists
 every such dependency of the eager pieces to the graph's inputs:
 
-  - tensor inputs that an eager piece reads or writes, directly or through a view made
-    in a capturable piece (a static KV cache and its length): the full graph reads and
-    writes them at their captured address, so the address (and symbolic strides) must
-    be the captured ones;
+  - tensor inputs the graph writes into, directly or through a view (a static KV cache
+    and its length tensor): the full graph writes them at their captured address, so
+    the address (and symbolic strides) must be the captured ones. So must parameters and
+    buffers an eager piece reads (read in place; checking them costs little);
   - every symbol besides the capture dimension (a host int such as a cache length,
     a size): the graph holds the value it was captured with, so the value must match;
-  - every other tensor input is copied into the graph's own buffer, as piecewise
-    graphs copy theirs; parameters and buffers are read in place, as there.
+  - every other tensor input is copied into the graph's own buffer before a replay, as
+    piecewise graphs copy theirs: an op that only reads it, split op or not, reads the
+    same values from the copy (a position tensor made anew every step stays on the full
+    path). Parameters and buffers only capturable code reads are read in place, as there.
 
 Why is that enough? A node inside the graph computes from its inputs and constants; its
 non-tensor arguments are constants or expressions of the symbols, and its tensor
@@ -36,7 +38,7 @@ from torch.fx import GraphModule, Node
 from ..compat import free_symbols
 from .graph_values import example_value
 from .split import SplitGraph
-from .split_rule import _view_base, _view_parent
+from .split_rule import _mutated_arg, _view_base, _view_parent
 
 # Rules whose eager nodes a full graph may hold: given the checks above, and views (a
 # stretch of views is kept out of piecewise graphs only because it launches nothing).
@@ -47,7 +49,8 @@ _FULL_GRAPH_RULES = frozenset({"input_mutation", "dynamic_shape", "dynamic_scala
 class FullGraphPlan:
     """What a call must match for a full graph to replay it; positions among graph inputs.
 
-    by_address: tensor inputs the eager pieces reach: their data_ptr is checked per call.
+    by_address: tensor inputs written by the graph, parameters and buffers the eager pieces
+        read, and inputs that cannot be copied: their data_ptr is checked per call.
     strides_checked: those of them whose strides are symbolic: strides checked too
         (Dynamo guards static strides itself).
     host_values: (input, dim) per symbol other than the capture dimension: the SymInt
@@ -90,12 +93,12 @@ def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset
     if why:
         return why
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = _written_inputs(gm)
     reached = _inputs_reached_by_eager_pieces(split)
-    # An input whose elements share memory (an expanded mask) cannot be copied into a
-    # buffer of its own layout: it is checked by address instead.
     by_address = tuple(
         i for i, n in enumerate(placeholders)
-        if _is_tensor(n) and (n in reached or (_overlaps(n) and n.name not in static_inputs))
+        if _is_tensor(n) and (n in written or (n.name in static_inputs and n in reached)
+                              or (n.name not in static_inputs and _overlaps(n)))
     )
     host_values = _host_value_sources(placeholders, capture_symbol)
     if isinstance(host_values, str):
@@ -126,6 +129,35 @@ def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str 
         if isinstance(value, Node) and _view_base(value).op == "placeholder":
             return f"the graph returns {value.name}, an input or a view of one (a full graph would return its copy)"
     return None
+
+
+def _written_inputs(gm: GraphModule) -> set[Node]:
+    """Graph inputs some node writes into, directly or through a view: a full graph must
+    write into the caller's tensor, so these are checked by address, never copied."""
+    written = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        for target in _written_args(node):
+            base = _view_base(target) if isinstance(target, Node) else None
+            if base is not None and base.op == "placeholder":
+                written.add(base)
+    return written
+
+
+def _written_args(node: Node) -> list:
+    """Every argument `node` writes into: an in-place method or operator, each argument its
+    schema marks written (an op may write several: keys and values), and `out=`."""
+    args = [_mutated_arg(node)]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
+        schema = node.target.default._schema
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                args.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    args.append(node.kwargs.get("out"))
+    return [a for a in args if isinstance(a, Node)]
 
 
 def _inputs_reached_by_eager_pieces(split: SplitGraph) -> set[Node]:

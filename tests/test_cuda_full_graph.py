@@ -12,7 +12,7 @@ import torch
 
 import cgcompile
 from cgcompile.testing import HOST_SCALE_OP, StaticCacheDecoder
-from test_full_graph import FULL, HOST_REASON, HostScaled, interleaved_calls, run_calls
+from test_full_graph import FULL, HOST_REASON, HostScaled, check_fresh_inputs, interleaved_calls, run_calls
 from test_hf_full_graph import NEW_TOKENS, check_decode_graph_calls, generate, tiny_llama
 
 pytestmark = [
@@ -116,3 +116,10 @@ def test_hf_dynamic_cache_stays_piecewise_on_cuda():
     torch.testing.assert_close(generate(model, 1), expected, rtol=0, atol=0)
     # Graphs whose plan allows a full path count their calls; none may take it.
     assert backend.stats.full_graph_calls == 0 and backend.stats.piecewise_calls > 0
+
+
+def test_an_input_the_split_op_only_reads_is_copied_on_cuda():
+    """v is new at every call and read by the captured split op: each replay copies it
+    into the graph's buffer first, so every call sees its own values."""
+    backend = check_fresh_inputs("cuda")
+    assert backend.stats.graphs_captured > 0

@@ -254,3 +254,36 @@ def test_an_expanded_input_is_checked_by_address_not_copied():
     assert [plan.names[i] for i in plan.by_address] == ["l_bias_"]
     assert [plan.names[i] for i in plan.copied] == ["l_q_"]
     assert backend.stats.full_graph_calls == 2
+
+
+class ReadsFreshInput(nn.Module):
+    """The split op reads v, a new tensor every call: the full graph reads a copy of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, v):
+        q = self.a(x)
+        return self.a(torch.ops.cgcompile_testing.silly_attention(q, q, v))
+
+
+def check_fresh_inputs(device: str) -> cgcompile.Backend:
+    torch.manual_seed(0)
+    model = ReadsFreshInput().to(device)
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(SILLY_OP,),
+                                                 splitting_ops=(SILLY_OP,)))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        for step in range(5):
+            v = torch.full((2, 8), float(step), device=device)  # new values at a new address
+            torch.testing.assert_close(compiled(x, v), model(x, v), rtol=0, atol=0)
+    plan = backend.runtimes[0].full.plan
+    assert [plan.names[i] for i in plan.copied] == ["l_x_", "l_v_"] and not plan.by_address
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (1, 4)
+    return backend
+
+
+def test_an_input_the_split_op_only_reads_is_copied():
+    check_fresh_inputs("cpu")
