@@ -14,7 +14,8 @@ call, whatever the depth of the model: nothing runs per layer.
 When a full graph is captured: on the second consecutive call of a size that hands the
 same key (so a key that changes every call, as a growing cache length does, never costs
 a capture), and again, replacing it, when the key settles on new values (a new static
-cache). The capturing call runs the graph once for real on the capture stream (its
+cache). One full graph per size: calls that alternate between two keys replay the graph
+of one and run the other piecewise, rather than capture at every other call. The capturing call runs the graph once for real on the capture stream (its
 results are the call's results, and its in-place writes happen once, as in eager), then
 captures without running.
 
@@ -92,6 +93,7 @@ class FullGraph:
         entry = self.graphs.get(size)
         if entry is not None and entry.key == key:
             self._count("full")
+            self._last_key[size] = key  # a key seen once between replays is no reason to recapture
             return self._replay(entry, args)
         previous, self._last_key[size] = self._last_key.get(size), key
         if previous != key:

@@ -287,3 +287,15 @@ def check_fresh_inputs(device: str) -> cgcompile.Backend:
 
 def test_an_input_the_split_op_only_reads_is_copied():
     check_fresh_inputs("cpu")
+
+
+@torch.no_grad()
+def test_alternating_host_values_do_not_recapture_every_other_call():
+    model = HostScaled()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8)
+    for k in (3, 3, 5, 3, 5, 3, 5):
+        torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
+    # 3 first, 3 captured; then every 3 replays and every 5 runs piecewise
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (4, 3)
