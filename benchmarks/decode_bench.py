@@ -12,6 +12,9 @@ never live in a CUDA graph:
                         is one CUDA graph. This is the full-graph ideal cgcompile aims at.
     cgcompile-eager     cgcompile, capturable pieces run as FX code under CUDA graphs
     cgcompile-inductor  cgcompile, capturable pieces compiled by Inductor under CUDA graphs
+    cgcompile-static    cgcompile (Inductor) on the static-mask model reduce-overhead runs, piecewise
+    cgcompile-full      the same with Config(capturable_split_ops=("attention",)): one full CUDA
+                        graph per step (attention captured too), chosen per call
     breakable           cgcompile.GraphManager(use_breakable=True): breakable CUDA graphs of
                         the eager model, no compilation. Attention is an @eager_break function
                         that reads the cache length from a state object at call time.
@@ -59,6 +62,8 @@ Targets, printed and in the JSON, as ratios within one run except where said:
   issue 3: cgcompile-inductor step <= 1.15x reduce-overhead at every batch; >= 3.5x faster
            than eager at B=1; ready time <= 0.5x reduce-overhead's; capture pool for all
            sizes <= 1.25x the pool for the largest alone (the "memory" step).
+  issue 16: cgcompile-full step <= 0.9x cgcompile-static at B=1 and < reduce-overhead at
+           every batch (one full CUDA graph per step against pieces and against torch's own).
   issue 4: breakable >= 4x faster than eager at B=1; breakable step <= 1.10x
            cgcompile-eager at every batch; breakable capture of all capture sizes < 3 s
            (an absolute wall time, for the 1b model). peer-breakable's step over
@@ -310,7 +315,7 @@ def _speed_up_at_1(results: dict[str, VariantResult], name: str, batches, metric
 def evaluate_targets(results: dict[str, VariantResult], batches, model: str, metric: str = "ms_per_step",
                      floor: float | None = None) -> list[Target]:
     return (issue3_targets(results, batches, metric) + issue4_targets(results, batches, model, metric)
-            + issue17_targets(results, batches, model, metric, floor))
+            + issue16_targets(results, batches, metric) + issue17_targets(results, batches, model, metric, floor))
 
 
 # Issue 17's limits on step / bandwidth floor, per (model, batch); the variants they are read for.
@@ -360,6 +365,19 @@ def issue4_targets(results: dict[str, VariantResult], batches, model: str, metri
         _target(4, f"breakable capture of all capture sizes < 3 s (absolute wall time, seconds; "
                    f"a target for the {CAPTURE_TARGET_MODEL} model)",
                 capture_s, "<", 3.0, applies=model == CAPTURE_TARGET_MODEL),
+    ]
+
+
+def issue16_targets(results: dict[str, VariantResult], batches, metric: str) -> list[Target]:
+    """Full graphs on the static decoder against cgcompile piecewise on it and reduce-overhead."""
+    full, piecewise, ro = "cgcompile-full", "cgcompile-static", "reduce-overhead"
+    at_1 = None
+    if _ok(results, full, piecewise) and 1 in batches:
+        at_1 = getattr(results[full], metric)[1] / getattr(results[piecewise], metric)[1]
+    vs_ro = _worst_ratio(results, full, ro, batches, metric) if _ok(results, full, ro) else None
+    return [
+        _target(16, "cgcompile-full step <= 0.9x cgcompile-static (piecewise) at B=1", at_1, "<=", 0.9),
+        _target(16, "cgcompile-full step < reduce-overhead's at every batch", vs_ro, "<", 1.0),
     ]
 
 

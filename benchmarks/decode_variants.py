@@ -176,6 +176,28 @@ def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
     return prepare
 
 
+def prepare_cgcompile_static(full: bool) -> Callable[[Bench], Prepared]:
+    """cgcompile (Inductor pieces) on the static decoder reduce-overhead runs, one static
+    graph per batch as there. full: attention may be captured too, so a step whose cache
+    and positions lie where they lay at capture replays one CUDA graph (the position is a
+    device tensor, copied into the graph's buffer); else attention runs between pieces."""
+
+    def prepare(bench: Bench) -> Prepared:
+        import cgcompile
+
+        ops = ("attention",) if full else ()
+        config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES, capturable_split_ops=ops)
+        backend = cgcompile.Backend(config)
+        compiled = torch.compile(bench.static, backend=backend, dynamic=False)
+
+        def step(b, start, i):
+            return compiled(bench.inputs.ids(b, i), bench.inputs.position(start))
+
+        return Prepared(step, report=lambda: cgcompile_report(backend))
+
+    return prepare
+
+
 # -- breakable CUDA graphs: cgcompile's GraphManager ---------------------------------------------
 
 
@@ -324,6 +346,8 @@ VARIANTS = (
     Variant("reduce-overhead", prepare_reduce_overhead, True),
     Variant("cgcompile-eager", prepare_cgcompile("eager"), True),
     Variant("cgcompile-inductor", prepare_cgcompile("inductor"), True),
+    Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
+    Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),
     Variant("breakable", prepare_breakable, True),
     Variant("peer-breakable", prepare_peer_breakable, True),
     Variant("cgcompile-sizes", prepare_cgcompile("inductor", compile_sizes=COMPILE_SIZES), True),

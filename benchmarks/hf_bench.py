@@ -15,6 +15,10 @@ batch 1 and 8. Variants:
                     graphs, no compilation (the README's other one-line change); DynamicCache. Each
                     decoder layer replays two graph segments around the eager cache update and
                     attention; the prefill and the first decode step of a new signature run eagerly
+    cgcompile-static  cgcompile with generate(cache_implementation="static", disable_compile=True)
+                    and Config(capturable_split_ops=("attention",)): every decode step whose
+                    cache lies where it lay at capture replays one full CUDA graph (see the
+                    README, "Full graphs"); backend.stats counts the steps of each path
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -68,7 +72,8 @@ Method:
   - --profile: per row, cProfile of a warm generate(64) and a torch.profiler table of a
     warm generate(8) (host and device time per op): where a decode step's time goes.
 Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
-every batch. Breakable (issue 15): >= 4x eager at batch 1 and >= 3x at other batches;
+every batch. Full graphs (issue 16): cgcompile-static >= 1.2x static at every batch, with a
+shorter warm-up. Breakable (issue 15): >= 4x eager at batch 1 and >= 3x at other batches;
 >= 0.7x cgcompile; warm-up < 3 s and < 0.2x cgcompile's; long run flat >= 0.8.
 Each variant runs under try/except; a failure is a row with its error.
 With OUT set, the results go to $OUT/hf_bench.json.
@@ -105,6 +110,7 @@ BREAKABLE_VS_CGCOMPILE = 0.7
 BREAKABLE_WARMUP_S = 3.0
 BREAKABLE_WARMUP_VS_CGCOMPILE = 0.2
 LONG_RUN_FLAT = 0.8
+FULL_VS_STATIC = 1.2  # issue 16: cgcompile-static decode tokens/s over static's
 
 
 @dataclasses.dataclass
@@ -168,8 +174,17 @@ def setup_static(model, args) -> tuple[dict, None]:
     return {"cache_implementation": "static"}, None
 
 
+def setup_cgcompile_static(model, args) -> tuple[dict, cgcompile.Backend]:
+    # A static cache and attention declared capturable: each decode step one full CUDA graph.
+    # disable_compile: generate() would otherwise compile the decode step itself around ours.
+    config = cgcompile.Config(compiler=args.compiler, capturable_split_ops=("attention",))
+    backend = cgcompile.Backend(config)
+    model.forward = torch.compile(model.forward, backend=backend)
+    return {"cache_implementation": "static", "disable_compile": True}, backend
+
+
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
-            "breakable": setup_breakable, "static": setup_static}
+            "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -370,6 +385,23 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
         result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
     if any(r.variant == "breakable" for r in rows):
         result += breakable_targets(rows, batches)
+    if any(r.variant == "cgcompile-static" for r in rows):
+        result += full_graph_targets(rows, batches)
+    return result
+
+
+def full_graph_targets(rows: list[Row], batches: list[int]) -> list[dict]:
+    """Issue 16: cgcompile's full graphs on a static cache against transformers' own static path."""
+    result = []
+    for batch in batches:
+        ours, theirs = rate(rows, "cgcompile-static", batch), rate(rows, "static", batch)
+        warm = [next((r.warmup_s for r in rows if (r.variant, r.batch) == (v, batch)), None)
+                for v in ("cgcompile-static", "static")]
+        result += [
+            judge("cgcompile-static / static", batch, ours / theirs if ours and theirs else None, FULL_VS_STATIC),
+            judge("cgcompile-static warm-up / static's", batch,
+                  warm[0] / warm[1] if warm[0] is not None and warm[1] else None, 1.0, higher=False),
+        ]
     return result
 
 

@@ -30,6 +30,7 @@ from .passes import (
     fold_grouped_query_attention,
     hoist_mask_conversion,
     input_name,
+    plan_full_graph,
     split_graph,
 )
 from .aot_capture import (
@@ -46,6 +47,7 @@ from .compile_scope import backend_for_this_compile
 from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
 from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
+from .full_graph import FullGraph, plain_function
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -125,7 +127,8 @@ class Backend:
         )
         self.runtimes.append(runtime)
         self._arm_recovery(graph_index, runtime, runtime, split, analysis, sizing)
-        self._dump(graph_index, gm, split, analysis)
+        full_plan = self._attach_full_graph(graph_index, gm, split, analysis, runtime)
+        self._dump(graph_index, gm, split, analysis, full_plan)
         return runtime.__call__  # a bound method: debuggers such as depyf read its __code__
 
     # -- steps ---------------------------------------------------------------------------
@@ -234,6 +237,31 @@ class Backend:
         if not graphs:
             return PaddedPiece(piece.name, fn, layout, step, traced)
         return CudaGraphPiece(piece.name, fn, layout, self.session, step, traced)
+
+    def _attach_full_graph(self, graph_index: int, gm, split: SplitGraph, analysis: GraphAnalysis,
+                           runtime: GraphRuntime) -> str | None:
+        """Give the runtime a full path where Config.capturable_split_ops allows one; returns
+        what the dump records (None when no split op is declared capturable)."""
+        if not self.config.capturable_ops:
+            return None
+        symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
+        plan = plan_full_graph(gm, split, analysis.static_inputs, symbol, self.config.capturable_ops.covers)
+        if isinstance(plan, str):
+            log.info("cgcompile: graph %d has no full graph: %s", graph_index, plan)
+            return f"piecewise only: {plan}"
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        contiguous = tuple(
+            _statically_contiguous(example_value(v)) if isinstance(example_value(v), torch.Tensor) else None
+            for v in values
+        )
+        runtime.full = FullGraph(
+            f"graph{graph_index}", plan, plain_function(runtime, self.config.cudnn_attention), self.session,
+            self._stats, contiguous, cudagraphs=analysis.cudagraphs,
+            reuse_outputs=self.config.reuse_output_buffers,
+        )
+        checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
+        return f"full graph per call where these match the capture: {checked or 'nothing'}"
 
     # -- recovery from a failed capture ------------------------------------------------------
 
@@ -393,15 +421,16 @@ class Backend:
         configured size again, after a capture under a memory budget)."""
         self.session.clear()
 
-    def _graph_runners(self) -> list[CudaGraphPiece]:
-        return [r for rt in self.runtimes for r in rt.runners if isinstance(r, CudaGraphPiece)]
+    def _graph_runners(self) -> list:
+        """Every runner that holds CUDA graphs: graph pieces and full graphs."""
+        return [r for rt in self.runtimes for r in (*rt.runners, rt.full) if isinstance(r, (CudaGraphPiece, FullGraph))]
 
-    def _dump(self, graph_index, gm, split, analysis) -> None:
+    def _dump(self, graph_index, gm, split, analysis, full_plan: str | None) -> None:
         dump.show_to_debuggers(split)
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
             pieces = [p for p in self.pieces if p.graph_index == graph_index]
-            dump.write_graph_dump(dump_dir, graph_index, gm, split, pieces, str(analysis.capture_dim))
+            dump.write_graph_dump(dump_dir, graph_index, gm, split, pieces, str(analysis.capture_dim), full_plan)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from .errors import ConfigError, closest, expect, expected
+from .capturable_ops import CapturableOps, normalize_capturable
 from .split_ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
@@ -54,6 +55,11 @@ class Config:
         pads (every graph is captured at the exact sizes seen). A Dynamo graph whose
         capturable code mixes rows along the capture dimension is never padded, whatever
         this says (see `cgcompile.passes.padding_safety`).
+    capturable_split_ops: split ops that may be captured into one full graph of the whole
+        Dynamo graph ("attention", op objects or "ns::op[.overload]"; see
+        `cgcompile.capturable_ops`). A call replays the full graph when every host value
+        and every input address the split ops read equals the captured one, else it runs
+        piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
@@ -90,6 +96,7 @@ class Config:
     compile_sizes: tuple[int, ...] = ()
     inductor_options: tuple[tuple[str, Any], ...] = ()
     size_inductor_options: tuple[tuple[str, Any], ...] = ()
+    capturable_split_ops: tuple[Any, ...] = ()
 
     def __new__(cls, *args, **kwargs):
         # Runs before the dataclass's generated __init__, so a misspelt or positional
@@ -108,10 +115,15 @@ class Config:
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         _check_compile_sizes(self.compile_sizes, self.capture_sizes)
         self.split_ops  # validates every splitting op name now, not at the first compile
+        self.capturable_ops
 
     @functools.cached_property
     def split_ops(self) -> SplitOps:
         return SplitOps(frozenset(normalize_op(op) for op in self.splitting_ops))
+
+    @functools.cached_property
+    def capturable_ops(self) -> CapturableOps:
+        return CapturableOps(frozenset(normalize_capturable(op) for op in self.capturable_split_ops))
 
     @property
     def max_capture_size(self) -> int:
@@ -149,7 +161,7 @@ class Config:
         return cls(**options)
 
 
-_TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "compile_sizes")
+_TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "compile_sizes", "capturable_split_ops")
 _OPTION_FIELDS = ("inductor_options", "size_inductor_options")
 
 
@@ -291,4 +303,5 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "compile_sizes": _compile_sizes,
     "inductor_options": _inductor_options,
     "size_inductor_options": _inductor_options,
+    "capturable_split_ops": _ops,
 }

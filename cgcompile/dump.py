@@ -26,25 +26,31 @@ def _code(gm) -> str:
     return gm.print_readable(print_output=False, include_stride=True, include_device=True)
 
 
-def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Piece], capture_dim: str) -> str:
+def write_graph_dump(dump_dir: str, graph_index: int, gm, split, pieces: list[Piece], capture_dim: str,
+                     full_graph: str | None = None) -> str:
     folder = _new_folder(dump_dir, graph_index)
     _write(folder, "original.py", _code(gm))
     _write(folder, "split.py", _code(split.stitch))
     for piece in pieces:
         _write(folder, f"{piece.name.rsplit('.', 1)[-1]}.py", _code(piece.graph))
-    summary = summarize(graph_index, pieces, capture_dim)
+    summary = summarize(graph_index, pieces, capture_dim, full_graph)
     _write(folder, "summary.json", json.dumps(summary, indent=1))
     _write(folder, "summary.txt", format_summary(summary))
     return folder
 
 
-def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = None) -> dict:
-    """One graph's summary record: what summary.json holds and `format_summary` prints."""
+def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = None,
+              full_graph: str | None = None) -> dict:
+    """One graph's summary record: what summary.json holds and `format_summary` prints.
+
+    full_graph: whether calls may replay one graph of the whole graph and what they must
+    match (None: no split op is declared capturable)."""
     mine = [p for p in pieces if p.graph_index == graph_index]
     return {
         "graph_index": graph_index,
         "capture_dim": capture_dim,
         "sizes": mine[0].sizes if mine else "",
+        "full_graph": full_graph,
         "pieces": [
             {
                 "piece": p.name,
@@ -87,6 +93,8 @@ def format_summary(summary: dict) -> str:
         lines[0] += f": capture dimension {summary['capture_dim']}"
     if summary.get("sizes"):
         lines[0] += f"; {summary['sizes']}"
+    if summary.get("full_graph"):
+        lines.append(summary["full_graph"])
     header = list(SUMMARY_COLUMNS)
     for row in [header] + [list(r) for r in rows]:
         cells = [cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]

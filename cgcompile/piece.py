@@ -46,3 +46,8 @@ class BackendStats:
     specialised_compilations: int = 0  # compiles at one of Config.compile_sizes (one per distinct piece and size)
     specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)
+    # Calls of graphs that have a full-graph plan (Config.capturable_split_ops), by path;
+    # why the piecewise ones were, per case (see `cgcompile.full_graph`).
+    full_graph_calls: int = 0
+    piecewise_calls: int = 0
+    piecewise_reasons: dict[str, int] = dataclasses.field(default_factory=dict)

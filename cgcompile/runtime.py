@@ -107,6 +107,7 @@ class GraphRuntime:
         self.cudnn_attention = cudnn_attention
         self.sizing = sizing
         self.step = step or StepSize()
+        self.full = None  # a `full_graph.FullGraph`: one graph for the whole call, where allowed
 
     def replace_runner(self, old: PieceRunner, new: Callable, new_runners: list) -> None:
         """Call `new` where `old` was called (recovery after a failed capture)."""
@@ -125,6 +126,10 @@ class GraphRuntime:
         if self.sizing is not None:
             n = args[self.sizing.input_index].shape[self.sizing.dim]
             self.step.n, self.step.size = n, self.sizing.policy.size_for(n)
+        if self.full is not None:
+            outputs = self.full.run(args, self.step.n, self.step.size)
+            if outputs is not None:
+                return outputs
         if self.cudnn_attention:
             outputs = self._code(self._namespace, *args)
         else:

@@ -11,6 +11,7 @@ argument written in place (`silly_accumulate`) and a transposed, non-contiguous 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 SILLY_OP = "cgcompile_testing::silly_attention"
@@ -106,4 +107,58 @@ class ToyLlama(nn.Module):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+HOST_SCALE_OP = "cgcompile_testing::host_scale"
+
+
+@torch.library.custom_op(HOST_SCALE_OP, mutates_args=())
+def host_scale(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x * k for a host int k: a split op whose result depends on a host value, as an
+    attention kernel's sequence lengths do. Dynamo passes k as a symbol once it varies."""
+    return x * k
+
+
+@host_scale.register_fake
+def _(x, k):
+    return torch.empty_like(x)
+
+
+class StaticCacheDecoder(nn.Module):
+    """A decoder over a static KV cache, every host-side value on the device.
+
+    forward(ids [T], pos [T] int64) -> logits [T, vocab]: token t is written into the
+    cache at position pos[t] and attends to every position <= pos[t]. The cache is a
+    buffer (a static address) and the positions a device tensor, so a call reads nothing
+    on the host: the case a full CUDA graph of the whole step replays correctly (with
+    `Config(capturable_split_ops=("attention",))`). Prefill is T > 1, decode T = 1.
+    """
+
+    def __init__(self, n_layers: int = 2, hidden: int = 32, heads: int = 4, vocab: int = 64, max_len: int = 96):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(ToyLayer(hidden) for _ in range(n_layers))
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        for i in range(n_layers):
+            self.register_buffer(f"k_cache{i}", torch.zeros(heads, max_len, self.head_dim), persistent=False)
+            self.register_buffer(f"v_cache{i}", torch.zeros(heads, max_len, self.head_dim), persistent=False)
+
+    def attention(self, i: int, q, k, v, pos):  # q, k, v: [T, hidden], pos: [T]
+        t, h, d = q.shape[0], self.heads, self.head_dim
+        k_cache, v_cache = getattr(self, f"k_cache{i}"), getattr(self, f"v_cache{i}")  # [H, L, D]
+        k_cache.index_copy_(1, pos, k.view(t, h, d).transpose(0, 1))
+        v_cache.index_copy_(1, pos, v.view(t, h, d).transpose(0, 1))
+        mask = torch.arange(k_cache.shape[1], device=pos.device) <= pos.view(t, 1)  # [T, L]
+        out = F.scaled_dot_product_attention(q.view(t, h, d).transpose(0, 1), k_cache, v_cache, attn_mask=mask)
+        return out.transpose(0, 1).reshape(t, h * d)  # [T, hidden]
+
+    def forward(self, ids, pos):
+        x = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(layer.norm(x)).chunk(3, dim=-1)
+            x = x + layer.o_proj(self.attention(i, q, k, v, pos))
+            x = x + layer.down(F.silu(layer.up(layer.mlp_norm(x))))
         return self.lm_head(self.norm(x))

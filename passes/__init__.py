@@ -8,6 +8,7 @@ Shipped as `cgcompile.passes`.
 """
 
 from .attention_mask import hoist_mask_conversion
+from .full_graph_plan import FullGraphPlan, plan_full_graph
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
 from .grouped_query import fold_grouped_query_attention
@@ -17,6 +18,7 @@ from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
 
 __all__ = [
     "CaptureDim",
+    "FullGraphPlan",
     "PaddingHazard",
     "PieceSpec",
     "SplitGraph",
@@ -29,6 +31,7 @@ __all__ = [
     "hoist_mask_conversion",
     "input_name",
     "is_floating",
+    "plan_full_graph",
     "split_graph",
     "tensors_in",
     "written_inputs",

@@ -1,0 +1,211 @@
+"""One CUDA graph for a whole Dynamo graph, chosen per call beside its piecewise graphs.
+
+`FullGraph.run` is the per-call choice, before any piece runs. A call takes the full
+path when
+  1. its size is a capture size itself (n == size: a full graph would run the split ops
+     on padding rows, which piecewise graphs never do), and
+  2. what it hands the graph host-side (`FullGraphPlan.key`: addresses of the inputs the
+     split ops reach, the values of every host-side symbol) equals what the full graph
+     of that size was captured with.
+Else it runs piecewise, the reason logged once per new case and counted in
+`BackendStats.piecewise_reasons`. The check is one list of pointers and one of ints per
+call, whatever the depth of the model: nothing runs per layer.
+
+When a full graph is captured: on the second consecutive call of a size that hands the
+same key (so a key that changes every call, as a growing cache length does, never costs
+a capture), and again, replacing it, when the key settles on new values (a new static
+cache). One full graph per size: calls that alternate between two keys replay the graph
+of one and run the other piecewise, rather than capture at every other call. The capturing call runs the graph once for real on the capture stream (its
+results are the call's results, and its in-place writes happen once, as in eager), then
+captures without running.
+
+Memory. The full graph of size N is captured into the same pool as the piecewise graphs
+and keeps only non-owning aliases of its buffers, so its memory and theirs overlap. That
+is sound because a call runs either the full graph or piecewise graphs, never both: no
+graph needs memory another one of the same step wrote (the invariant of
+`capture.CaptureSession`, with "one step" now holding one full graph or one size's
+pieces). Outputs are copied before they are returned, unless reuse_output_buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from typing import Callable, Sequence
+
+import torch
+
+from .attention_backend import call_without_cudnn_attention
+from .capture import CaptureSession, Mode, weak_alias
+from .errors import CaptureError
+from .passes import FullGraphPlan
+from .piece import BackendStats
+from .runtime import GraphRuntime, _StitchNamespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One captured size: the graph (None without CUDA graphs) and what it was captured with."""
+
+    graph: torch.cuda.CUDAGraph | None
+    key: tuple
+    copies: tuple[tuple[int, torch.Tensor], ...]  # (graph input, non-owning alias of its buffer)
+    outputs: tuple  # non-owning aliases of the graph's outputs (non-tensors as they were)
+
+
+class FullGraph:
+    """The full path of one Dynamo graph: `run(args, n, size)` returns its outputs or None.
+
+    plain: the whole graph as one function (every piece's code in order, no graphs): what
+        is captured, and what runs on the full path without CUDA graphs (CPU).
+    contiguous: per graph output, True/False as `runtime.OutputCopy.contiguous`, None
+        for a value that is not a tensor.
+    """
+
+    def __init__(self, name: str, plan: FullGraphPlan, plain: Callable, session: CaptureSession,
+                 stats: BackendStats, contiguous: tuple, *, cudagraphs: bool, reuse_outputs: bool):
+        self.name = name
+        self.plan = plan
+        self.plain = plain
+        self.session = session
+        self.stats = stats
+        self.contiguous = contiguous
+        self.cudagraphs = cudagraphs
+        self.reuse_outputs = reuse_outputs
+        self.graphs: dict[int, _Entry] = {}
+        self.calls = Counter()  # "full", "piecewise": this graph's share of the stats
+        self.disabled: str | None = None  # why the full path is off for good (a failed capture)
+        self._last_key: dict[int, tuple] = {}
+        self._logged: set[str] = set()
+        session.register(self)
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self._last_key.clear()
+
+    def run(self, args: Sequence, n: int, size: int | None):
+        if self.disabled or size is None or n != size or self.session.mode is not Mode.LAZY:
+            return self._piecewise(self._why_not(n, size), "")
+        key = self.plan.key(args)
+        entry = self.graphs.get(size)
+        if entry is not None and entry.key == key:
+            self._count("full")
+            self._last_key[size] = key  # a key seen once between replays is no reason to recapture
+            return self._replay(entry, args)
+        previous, self._last_key[size] = self._last_key.get(size), key
+        if previous != key:
+            if entry is None and previous is None:
+                return self._piecewise("first call of its size", "")
+            difference = self.plan.difference(key, entry.key if entry is not None else previous)
+            return self._piecewise("a host-side input differs from the captured one", f": {difference}")
+        if entry is not None:
+            self._log_once(f"recapture {size}", "cgcompile: %s recaptures its full graph of size %d: %s",
+                           self.name, size, self.plan.difference(key, entry.key))
+        self._count("full")
+        return self._capture(args, size, key)
+
+    # -- the two paths ---------------------------------------------------------------------
+
+    def _replay(self, entry: _Entry, args: Sequence):
+        if entry.graph is None:
+            return tuple(self.plain(*args))
+        for i, buffer in entry.copies:
+            if args[i].data_ptr() != buffer.data_ptr():
+                buffer.copy_(args[i])
+        entry.graph.replay()
+        return self._hand_out(entry.outputs)
+
+    def _capture(self, args: Sequence, size: int, key: tuple):
+        if not self.cudagraphs:
+            self.graphs[size] = _Entry(None, key, (), ())
+            return tuple(self.plain(*args))
+        # The real run: this call's results, and its in-place writes (a cache update) happen
+        # once. Capture then records the same work without running it.
+        outputs = tuple(self.session.warm_up(self.plain, *args))
+        try:
+            graph, static_args, static_outputs = self.session.capture(
+                self.name, self.plain, lambda: self._static_args(args)
+            )
+        except CaptureError as error:
+            self.disabled = f"capturing the full graph failed: {error}"
+            log.warning("cgcompile: %s: %s; it runs piecewise from now on", self.name, self.disabled)
+            return outputs
+        copies = tuple((i, weak_alias(static_args[i])) for i in self.plan.copied)
+        aliases = tuple(weak_alias(o) if isinstance(o, torch.Tensor) else o for o in static_outputs)
+        self.graphs[size] = _Entry(graph, key, copies, aliases)
+        log.info("cgcompile: %s captured a full graph of size %d", self.name, size)
+        return outputs
+
+    def _static_args(self, args: Sequence) -> list:
+        """The call's inputs with each copied one replaced by a buffer of the pool (this
+        runs inside capture, so the buffers come from the pool); the data is copied in
+        at every replay."""
+        static = list(args)
+        for i in self.plan.copied:
+            a = args[i]
+            static[i] = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+        return static
+
+    def _hand_out(self, outputs: tuple):
+        if self.reuse_outputs:
+            return outputs
+        return tuple(
+            o if c is None else o.clone(memory_format=torch.contiguous_format) if c else o.clone()
+            for o, c in zip(outputs, self.contiguous)
+        )
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def _why_not(self, n: int, size: int | None) -> str:
+        if self.disabled:
+            return "its full graph failed to capture"
+        if self.session.mode is not Mode.LAZY:
+            return "ahead-of-time capture runs piecewise"
+        if size is None:
+            return "the call's size has no graph"
+        return "the call's size is padded (a full graph would run the split ops on padding rows)"
+
+    def _piecewise(self, case: str, detail: str):
+        self._count("piecewise")
+        self.stats.piecewise_reasons[case] = self.stats.piecewise_reasons.get(case, 0) + 1
+        self._log_once(case, "cgcompile: %s runs piecewise: %s%s", self.name, case, detail)
+        return None
+
+    def _count(self, path: str) -> None:
+        self.calls[path] += 1
+        if path == "full":
+            self.stats.full_graph_calls += 1
+        else:
+            self.stats.piecewise_calls += 1
+
+    def _log_once(self, case: str, message: str, *args) -> None:
+        if case not in self._logged:
+            self._logged.add(case)
+            log.info(message, *args)
+
+
+def plain_function(runtime: GraphRuntime, cudnn_attention: bool) -> Callable:
+    """The whole graph as one function: every piece's own code in order, no graphs, no
+    padding (the full path runs only at n == size)."""
+    calls = {}
+    for runner in runtime.runners:
+        name = runner.piece_name.rsplit(".", 1)[-1]
+        calls[name] = _plain_piece(runner, runtime.step)
+    namespace = _StitchNamespace(runtime.stitch, calls)
+    code = type(runtime.stitch).forward
+    if cudnn_attention:
+        return lambda *args: code(namespace, *args)
+    return lambda *args: call_without_cudnn_attention(code, namespace, *args)
+
+
+def _plain_piece(runner, step) -> Callable:
+    traced = getattr(runner, "traced", None)
+    if traced is None:
+        return runner.step_fn
+    fn = runner.fn
+    if not traced.checked:
+        return fn
+    return lambda *args: fn(*traced.conform(args, step.n))

@@ -1,0 +1,215 @@
+"""Whether one graph of the whole Dynamo graph may replace its pieces, and what to check per call.
+
+A piecewise run re-reads everything host-side at every call: its split ops run eagerly
+with the call's own arguments. A full graph freezes them. It is still right for a call
+when the call hands the graph exactly what it was captured with, so the plan hoists
+every such dependency of the eager pieces to the graph's inputs:
+
+  - tensor inputs the graph writes into, directly or through a view (a static KV cache
+    and its length tensor): the full graph writes them at their captured address, so
+    the address (and symbolic strides) must be the captured ones. So must parameters and
+    buffers an eager piece reads (read in place; checking them costs little);
+  - every symbol besides the capture dimension (a host int such as a cache length,
+    a size): the graph holds the value it was captured with, so the value must match;
+  - every other tensor input is copied into the graph's own buffer before a replay, as
+    piecewise graphs copy theirs: an op that only reads it, split op or not, reads the
+    same values from the copy (a position tensor made anew every step stays on the full
+    path). Parameters and buffers only capturable code reads are read in place, as there.
+
+Why is that enough? A node inside the graph computes from its inputs and constants; its
+non-tensor arguments are constants or expressions of the symbols, and its tensor
+arguments are made inside the graph or are inputs. So when every symbol has its captured
+value and every input the eager nodes see is where it was, a replay computes what the
+eager run computes. It holds only for eager nodes that read nothing but their arguments:
+split ops the user declared capturable (`Config.capturable_split_ops`), in-place writes
+into inputs (checked by address), ops on symbolic sizes (checked by value) and views. Host
+syncs and host-to-device copies can never be captured: their graph has no plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from ..compat import free_symbols
+from .graph_values import example_value
+from .split import SplitGraph
+from .split_rule import _mutated_arg, _view_base, _view_parent
+
+# Rules whose eager nodes a full graph may hold: given the checks above, and views (a
+# stretch of views is kept out of piecewise graphs only because it launches nothing).
+_FULL_GRAPH_RULES = frozenset({"input_mutation", "dynamic_shape", "dynamic_scalar", "view_only"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FullGraphPlan:
+    """What a call must match for a full graph to replay it; positions among graph inputs.
+
+    by_address: tensor inputs written by the graph, parameters and buffers the eager pieces
+        read, and inputs that cannot be copied: their data_ptr is checked per call.
+    strides_checked: those of them whose strides are symbolic: strides checked too
+        (Dynamo guards static strides itself).
+    host_values: (input, dim) per symbol other than the capture dimension: the SymInt
+        input itself (dim None) or the size of a tensor input's dim.
+    copied: tensor inputs copied into the full graph's own buffers before a replay.
+    names: every graph input's name, for the log.
+    """
+
+    by_address: tuple[int, ...]
+    strides_checked: tuple[int, ...]
+    host_values: tuple[tuple[int, int | None], ...]
+    copied: tuple[int, ...]
+    names: tuple[str, ...]
+
+    def key(self, args: Sequence) -> tuple:
+        """What this call hands the graph host-side; equal keys replay the same graph."""
+        return (
+            [args[i].data_ptr() for i in self.by_address],
+            [args[i].stride() for i in self.strides_checked],
+            [args[i] if d is None else args[i].shape[d] for i, d in self.host_values],
+        )
+
+    def difference(self, key: tuple, captured: tuple) -> str:
+        """The first input whose host-side value differs between two keys, in words."""
+        values = tuple(i for i, _ in self.host_values)
+        parts = (("the address", self.by_address, hex), ("the strides", self.strides_checked, str),
+                 ("the host value", values, str))
+        for (what, indices, show), got, had in zip(parts, key, captured):
+            for i, g, h in zip(indices, got, had):
+                if g != h:
+                    return f"{what} of input {self.names[i]!r} is {show(g)}, captured with {show(h)}"
+        return "nothing differs"
+
+
+def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset[str],
+                    capture_symbol: sympy.Symbol | None,
+                    capturable: Callable[[Any], bool]) -> FullGraphPlan | str:
+    """The plan, or a sentence saying why no full graph may replace the pieces."""
+    why = _uncapturable_reason(gm, split, capturable)
+    if why:
+        return why
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = _written_inputs(gm)
+    reached = _inputs_reached_by_eager_pieces(split)
+    by_address = tuple(
+        i for i, n in enumerate(placeholders)
+        if _is_tensor(n) and (n in written or (n.name in static_inputs and n in reached)
+                              or (n.name not in static_inputs and _overlaps(n)))
+    )
+    host_values = _host_value_sources(placeholders, capture_symbol)
+    if isinstance(host_values, str):
+        return host_values
+    copied = tuple(
+        i for i, n in enumerate(placeholders)
+        if _is_tensor(n) and i not in by_address and n.name not in static_inputs
+    )
+    strides = tuple(i for i in by_address if not all(type(s) is int for s in example_value(placeholders[i]).stride()))
+    return FullGraphPlan(by_address, strides, host_values, copied, tuple(n.name for n in placeholders))
+
+
+def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str | None:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for spec in split.pieces:
+        for reason in spec.reasons:
+            if reason.rule in _FULL_GRAPH_RULES:
+                continue
+            node = nodes.get(reason.node)
+            if reason.rule == "split_op" and node is not None and capturable(node.target):
+                continue
+            if reason.rule == "split_op":
+                return f"{reason.node} is a split op not in Config.capturable_split_ops ({reason.detail})"
+            return f"{reason.node} cannot be captured: {reason.detail} [{reason.rule}]"
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for value in returned:
+        if isinstance(value, Node) and _view_base(value).op == "placeholder":
+            return f"the graph returns {value.name}, an input or a view of one (a full graph would return its copy)"
+    return None
+
+
+def _written_inputs(gm: GraphModule) -> set[Node]:
+    """Graph inputs some node writes into, directly or through a view: a full graph must
+    write into the caller's tensor, so these are checked by address, never copied."""
+    written = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        for target in _written_args(node):
+            base = _view_base(target) if isinstance(target, Node) else None
+            if base is not None and base.op == "placeholder":
+                written.add(base)
+    return written
+
+
+def _written_args(node: Node) -> list:
+    """Every argument `node` writes into: an in-place method or operator, each argument its
+    schema marks written (an op may write several: keys and values), and `out=`."""
+    args = [_mutated_arg(node)]
+    schema = getattr(node.target, "_schema", None)
+    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
+        schema = node.target.default._schema
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                args.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    args.append(node.kwargs.get("out"))
+    return [a for a in args if isinstance(a, Node)]
+
+
+def _inputs_reached_by_eager_pieces(split: SplitGraph) -> set[Node]:
+    """Graph inputs that an op of an eager piece reads or writes, directly or through a
+    view (made in that piece or before it). Views alone read nothing: an input an eager
+    piece only views, for the capturable code after it, is no concern of the check."""
+    reached = set()
+    for spec in split.pieces:
+        if spec.capturable:
+            continue
+        inner = [n for n in spec.graph.graph.nodes if n.op == "placeholder"]
+        for node, original in zip(inner, spec.inputs):
+            base = _view_base(original)
+            if base.op == "placeholder" and _used_by_an_op(node):
+                reached.add(base)
+    return reached
+
+
+def _used_by_an_op(node: Node) -> bool:
+    """Whether an op other than a view takes `node` or a view of it."""
+    for user in node.users:
+        if user.op == "output":
+            continue
+        if _view_parent(user) is not node or _used_by_an_op(user):
+            return True
+    return False
+
+
+def _host_value_sources(placeholders: list[Node], capture_symbol) -> tuple | str:
+    """Where each symbol other than the capture dimension can be read from a call's inputs."""
+    sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
+    needed: set[sympy.Symbol] = set()
+    for i, node in enumerate(placeholders):
+        value = example_value(node)
+        needed |= {s for s in free_symbols(value) if s != capture_symbol} if value is not None else set()
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            sources.setdefault(value.node.expr, (i, None))
+        elif isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    sources.setdefault(size.node.expr, (i, d))
+    missing = sorted(str(s) for s in needed - sources.keys())
+    if missing:
+        return f"the host values {missing} are no input's size or value, so a call cannot be checked against them"
+    return tuple(sources[s] for s in sorted(needed, key=str))
+
+
+def _is_tensor(node: Node) -> bool:
+    return isinstance(example_value(node), torch.Tensor)
+
+
+def _overlaps(node: Node) -> bool:
+    """Whether a stride of 0 (or one that is not a plain int) makes elements share memory."""
+    value = example_value(node)
+    return any(type(st) is not int or (st == 0 and sz != 1) for sz, st in zip(value.shape, value.stride()))

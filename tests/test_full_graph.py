@@ -1,0 +1,301 @@
+"""Full graphs beside piecewise, chosen per call (CPU): the declaration, the plan, the choice.
+
+Without CUDA the full path runs the whole graph as one function, and the same choice
+logic decides per call which path runs: these tests check its decisions and reasons,
+and that both paths give eager's answers exactly. tests/test_cuda_full_graph.py
+replays real graphs.
+"""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgcompile
+from cgcompile.testing import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
+
+FULL = cgcompile.Config(compiler="eager", capturable_split_ops=("attention",))
+HOST_REASON = "a host-side input differs from the captured one"
+
+
+def decode_steps(model, steps: int, prompt: int = 4):
+    """Prefill `prompt` tokens, then decode one token per call: the logits of every call."""
+    out = [model(torch.arange(1, prompt + 1), torch.arange(prompt))]
+    for s in range(steps):
+        out.append(model(torch.tensor([s % 7]), torch.tensor([prompt + s])))
+    return out
+
+
+@torch.no_grad()
+def test_static_cache_decodes_from_the_full_path_after_one_piecewise_call_per_graph():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    eager = decode_steps(copy.deepcopy(model), 8)
+    backend = cgcompile.Backend(FULL)
+    got = decode_steps(torch.compile(model, backend=backend), 8)
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    stats = backend.stats
+    # Prefill (one call) and decode (8 calls) are two Dynamo graphs; each runs its first
+    # call piecewise, then replays its full graph while the host-side inputs stay.
+    assert (stats.graphs_seen, stats.piecewise_calls, stats.full_graph_calls) == (2, 2, 7)
+    assert stats.piecewise_reasons == {"first call of its size": 2}
+
+
+@torch.no_grad()
+def test_without_the_declaration_nothing_changes():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    decode_steps(torch.compile(model, backend=backend), 3)
+    assert (backend.stats.full_graph_calls, backend.stats.piecewise_calls) == (0, 0)
+    assert all(rt.full is None for rt in backend.runtimes)
+
+
+class HostScaled(nn.Module):
+    """x [T, 8] -> [T, 8]; the split op multiplies by the host int k."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, k: int):
+        return self.b(torch.ops.cgcompile_testing.host_scale(self.a(x), k))
+
+
+@torch.no_grad()
+def test_a_changed_host_value_takes_the_piecewise_path(caplog):
+    """k is a symbol the split op reads: a full graph captured at k=3 would return 3x for
+    k=5. The call with k=5 runs piecewise (right answer, reason logged) and the full
+    graph comes back when k repeats."""
+    torch.manual_seed(0)
+    model = HostScaled()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8)
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    for k in (3, 3, 3, 5, 3):
+        torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
+    stats = backend.stats
+    assert stats.graphs_seen == 1
+    # k=3 first (piecewise), k=3 (full: captured), k=3 (full), k=5 (piecewise), k=3 (full)
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 3)
+    assert stats.piecewise_reasons == {"first call of its size": 1, HOST_REASON: 1}
+    assert any("host value of input" in r.getMessage() and "is 5, captured with 3" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@torch.no_grad()
+def test_a_host_value_that_settles_on_a_new_value_gets_its_graph_again():
+    model = HostScaled()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8)
+    for k in (3, 3, 4, 4, 4):
+        torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
+    # 3 piecewise (first), 3 full, 4 piecewise (differs), 4 full (recaptured), 4 full
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (2, 3)
+
+
+class Accumulating(nn.Module):
+    """acc (a plain tensor argument, not a buffer) += sin(W x), written by the split op."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, acc):
+        torch.ops.cgcompile_testing.silly_accumulate(acc, self.a(x))
+        return acc * 2
+
+
+@torch.no_grad()
+def test_an_input_the_split_op_writes_is_checked_by_address():
+    """The full graph writes into the tensor it was captured with: a call that passes
+    another one must run piecewise, and each call updates its own tensor exactly once."""
+    torch.manual_seed(0)
+    model = Accumulating()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(ACCUMULATE_OP,)))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8)
+    first, other = torch.zeros(2, 8), torch.zeros(2, 8)
+    expected_first, expected_other = torch.zeros(2, 8), torch.zeros(2, 8)
+    for acc, expected in ((first, expected_first), (first, expected_first), (other, expected_other),
+                          (first, expected_first)):
+        out = compiled(x, acc)
+        model(x, expected)
+        torch.testing.assert_close(acc, expected, rtol=0, atol=0)
+        torch.testing.assert_close(out, expected * 2, rtol=0, atol=0)
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (2, 2)
+    assert backend.stats.piecewise_reasons[HOST_REASON] == 1
+    plan = backend.runtimes[0].full.plan
+    assert [plan.names[i] for i in plan.by_address] == ["l_acc_"]
+
+
+@torch.no_grad()
+def test_padded_calls_run_piecewise():
+    """A full graph would run the split op on the padding rows: only calls whose size is a
+    capture size itself take the full path."""
+    torch.manual_seed(0)
+    model = ToyLlama()
+    config = cgcompile.Config(compiler="eager", capturable_split_ops=(SILLY_OP,), splitting_ops=(SILLY_OP,),
+                              padding=True, capture_sizes=(2, 4))
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(model, backend=backend)
+    for n in (4, 4, 3, 4, 2):
+        ids = torch.arange(n)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch.testing.assert_close(compiled(ids), model(ids))  # padded rows change a matmul's rounding
+    assert backend.stats.graphs_seen == 1
+    # 4 first, 4 full, 3 padded to 4, 4 full, 2 first of its size
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (3, 2)
+    assert "padded" in " ".join(backend.stats.piecewise_reasons)
+
+
+class HostSync(nn.Module):
+    def forward(self, x):
+        y = F.scaled_dot_product_attention(x, x, x)
+        return y * x.sum().item()
+
+
+@torch._dynamo.config.patch(capture_scalar_outputs=True)  # .item() stays in the graph
+def test_a_graph_with_an_uncapturable_node_has_no_full_path(caplog, tmp_path):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",),
+                                                 dump_dir=str(tmp_path)))
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    x = torch.randn(1, 2, 4, 8)
+    torch.testing.assert_close(torch.compile(HostSync(), backend=backend)(x), HostSync()(x))
+    assert all(rt.full is None for rt in backend.runtimes)
+    assert any("has no full graph" in r.getMessage() and "host_sync" in r.getMessage() for r in caplog.records)
+    summary = (tmp_path / "graph_0" / "summary.txt").read_text()
+    assert "piecewise only" in summary and "[host_sync]" in summary
+
+
+def test_a_split_op_not_declared_keeps_the_graph_piecewise(caplog):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    caplog.set_level(logging.INFO, logger="cgcompile")
+    x = torch.randn(1, 2, 4, 8)
+    compiled = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x) + 1, backend=backend)
+    compiled(x)
+    compiled(x)
+    assert backend.stats.full_graph_calls == 0
+    assert any("not in Config.capturable_split_ops" in r.getMessage() for r in caplog.records)
+
+
+def test_the_dump_names_what_each_call_is_checked_against(tmp_path):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(ACCUMULATE_OP,),
+                                                 dump_dir=str(tmp_path)))
+    torch.compile(Accumulating(), backend=backend)(torch.randn(2, 8), torch.zeros(2, 8))
+    summary = (tmp_path / "graph_0" / "summary.txt").read_text()
+    assert "full graph per call where these match the capture: ['l_acc_']" in summary
+
+
+@pytest.mark.parametrize("entry", ["attention", F.scaled_dot_product_attention, SILLY_OP,
+                                   torch.ops.cgcompile_testing.silly_attention])
+def test_declaration_accepts_attention_and_ops(entry):
+    ops = cgcompile.Config(capturable_split_ops=[entry]).capturable_ops
+    assert ops.covers(torch.ops.cgcompile_testing.silly_attention.default) == (entry not in ("attention", F.scaled_dot_product_attention))
+    assert ops.covers(F.scaled_dot_product_attention) == (entry in ("attention", F.scaled_dot_product_attention))
+
+
+@pytest.mark.parametrize("entry", ["flash", "nope::nothing", 3])
+def test_declaration_refuses_what_is_not_an_op(entry):
+    with pytest.raises(cgcompile.ConfigError, match="capturable_split_ops: expected"):
+        cgcompile.Config(capturable_split_ops=(entry,))
+
+
+def interleaved_calls(rounds: int, device: str = "cpu"):
+    """(ids, pos) calls that interleave a 4-token prefill, a 1-token and a 3-token decode:
+    three static Dynamo graphs, each replayed between the others."""
+    calls, position = [], 0
+    for r in range(rounds):
+        for t in (4, 1, 3):
+            ids = (torch.arange(t) * 5 + r) % 64
+            calls.append((ids.to(device), torch.arange(position, position + t, device=device)))
+            position += t
+    return calls
+
+
+def run_calls(model, calls) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(ids, pos).clone() for ids, pos in calls]
+
+
+def test_prefill_and_decode_graphs_in_any_order():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder(max_len=64).eval()
+    calls = interleaved_calls(5)
+    expected = run_calls(copy.deepcopy(model), calls)
+    backend = cgcompile.Backend(FULL)
+    got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    # Three graphs; each runs its first call piecewise, then the full path.
+    assert (backend.stats.graphs_seen, backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (3, 3, 12)
+
+
+@torch.no_grad()
+def test_an_expanded_input_is_checked_by_address_not_copied():
+    """A buffer of an expanded input's own layout would share memory between elements,
+    so the plan checks such an input by address (here one only capturable code reads)."""
+    def step(q, bias):  # q: [1, 2, 4, 8], bias: [1, 2, 4, 8] expanded from [8]
+        k = q * 2
+        return F.scaled_dot_product_attention(k, k, k) + bias
+
+    backend = cgcompile.Backend(FULL)
+    compiled = torch.compile(step, backend=backend)
+    q, bias = torch.randn(1, 2, 4, 8), torch.randn(8).expand(1, 2, 4, 8)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(q, bias), step(q, bias), rtol=0, atol=0)
+    plan = backend.runtimes[0].full.plan
+    assert [plan.names[i] for i in plan.by_address] == ["l_bias_"]
+    assert [plan.names[i] for i in plan.copied] == ["l_q_"]
+    assert backend.stats.full_graph_calls == 2
+
+
+class ReadsFreshInput(nn.Module):
+    """The split op reads v, a new tensor every call: the full graph reads a copy of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, v):
+        q = self.a(x)
+        return self.a(torch.ops.cgcompile_testing.silly_attention(q, q, v))
+
+
+def check_fresh_inputs(device: str) -> cgcompile.Backend:
+    torch.manual_seed(0)
+    model = ReadsFreshInput().to(device)
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(SILLY_OP,),
+                                                 splitting_ops=(SILLY_OP,)))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        for step in range(5):
+            v = torch.full((2, 8), float(step), device=device)  # new values at a new address
+            torch.testing.assert_close(compiled(x, v), model(x, v), rtol=0, atol=0)
+    plan = backend.runtimes[0].full.plan
+    assert [plan.names[i] for i in plan.copied] == ["l_x_", "l_v_"] and not plan.by_address
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (1, 4)
+    return backend
+
+
+def test_an_input_the_split_op_only_reads_is_copied():
+    check_fresh_inputs("cpu")
+
+
+@torch.no_grad()
+def test_alternating_host_values_do_not_recapture_every_other_call():
+    model = HostScaled()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8)
+    for k in (3, 3, 5, 3, 5, 3, 5):
+        torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
+    # 3 first, 3 captured; then every 3 replays and every 5 runs piecewise
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (4, 3)

@@ -1,0 +1,74 @@
+"""Hugging Face generate() with full graphs where the cache allows them (CPU).
+
+With transformers' static cache (`cache_implementation="static"`) one decode step is
+one Dynamo graph whose host-side inputs stay put from step to step: the cache tensors
+live at fixed addresses and its length is a device tensor (`cumulative_length`), so
+every step after the first of each generate() replays the full graph. With the default
+DynamicCache the cache grows (new tensors, a new length symbol every step), so every
+step runs piecewise. tests/test_cuda_full_graph.py checks the same with CUDA graphs.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import cgcompile
+
+NEW_TOKENS = 8
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).eval()
+
+
+def generate(model, batch: int, **kwargs) -> torch.Tensor:
+    """Greedy tokens. disable_compile: on CUDA, generate() would otherwise compile a static
+    cache's decode step itself (mode="reduce-overhead"), around the compiled forward."""
+    prompt = (torch.arange(batch * 5, device=model.device).view(batch, 5) * 7 + 1) % 128
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True, **kwargs)
+
+
+def check_decode_graph_calls(backend) -> None:
+    """Two generate() calls of NEW_TOKENS: the decode graph (the last Dynamo graph) runs
+    piecewise on the first step of the first call (nothing captured yet) and on the first
+    step of the second, whose new cache lies at a new address; every other step replays
+    the full graph."""
+    decode = backend.runtimes[-1].full
+    assert decode is not None
+    assert decode.calls["full"] + decode.calls["piecewise"] == 2 * (NEW_TOKENS - 1)
+    assert decode.calls["piecewise"] <= 2, dict(decode.calls)
+
+
+def compiled_llama():
+    model = tiny_llama()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
+    model.forward = torch.compile(model.forward, backend=backend)
+    return model, backend
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_cache_decodes_from_the_full_path(batch):
+    expected = generate(tiny_llama(), batch, cache_implementation="static")
+    model, backend = compiled_llama()
+    for _ in range(2):  # the second generate() reuses the cache generate() keeps
+        torch.testing.assert_close(generate(model, batch, cache_implementation="static"), expected, rtol=0, atol=0)
+    assert backend.stats.graphs_seen == 2  # prefill, decode
+    check_decode_graph_calls(backend)
+    assert set(backend.stats.piecewise_reasons) <= {"first call of its size",
+                                                    "a host-side input differs from the captured one"}
+
+
+def test_dynamic_cache_stays_piecewise():
+    expected = generate(tiny_llama(), 1)
+    model, backend = compiled_llama()
+    torch.testing.assert_close(generate(model, 1), expected, rtol=0, atol=0)
+    stats = backend.stats
+    assert stats.full_graph_calls == 0
+    assert stats.piecewise_calls == NEW_TOKENS
