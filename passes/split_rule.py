@@ -227,10 +227,10 @@ def _not_capture_dim(symbols: set, allowed: set) -> str:
 
 
 def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str] | None:
-    target = _mutated_arg(node)
-    base = _view_base(target) if isinstance(target, Node) else None
-    if base is not None and base.op == "placeholder" and base.name in mutable_inputs:
-        return "input_mutation", f"writes in place into graph input {base.name}"
+    for target in _mutated_args(node):
+        base = _view_base(target)
+        if base.op == "placeholder" and base.name in mutable_inputs:
+            return "input_mutation", f"writes in place into graph input {base.name}"
     return None
 
 
@@ -248,9 +248,9 @@ def written_inputs(gm: GraphModule) -> tuple[int, ...]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     written = set()
     for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method"):
-            _, base = mutated_base(node)
-            if base is not None and base.op == "placeholder":
+        for target in _mutated_args(node):
+            base = _view_base(target)
+            if base.op == "placeholder":
                 written.add(placeholders.index(base))
     return tuple(sorted(written))
 
@@ -265,10 +265,10 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
         if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
             return "input_mutation", f"a view of {base.name}, which an earlier piece made and an op writes into"
         return None
-    target = _mutated_arg(node)
-    base = _origin(_view_base(target)) if isinstance(target, Node) else None
-    if base is not None and base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
-        return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
+    for target in _mutated_args(node):
+        base = _origin(_view_base(target))
+        if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
+            return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
     return None
 
 
@@ -285,14 +285,37 @@ def _views_written_through(gm: GraphModule) -> set[Node]:
     view must alias the real tensor, so it may not be made inside a graph from its copy."""
     written = set()
     for node in gm.graph.nodes:
-        target = _mutated_arg(node) if node.op in ("call_function", "call_method") else None
-        if isinstance(target, Node):
-            written.add(_origin(_view_base(target)))
+        written.update(_origin(_view_base(target)) for target in _mutated_args(node))
     return {
         node for node in gm.graph.nodes
         if node.op in ("call_function", "call_method") and _view_parent(node) is not None
         and _origin(_view_base(node)) in written
     }
+
+
+def _mutated_args(node: Node) -> list[Node]:
+    """Every tensor argument `node` writes into (an op may write several: a cache update
+    writes keys and values; `out=` is one too)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    first = _mutated_arg(node)
+    schema = _schema(node)
+    if schema is None:
+        return [first] if isinstance(first, Node) else []
+    written = [value for arg, value in zip(schema.arguments, node.args) if _writes(arg)]
+    written += [node.kwargs[arg.name] for arg in schema.arguments if _writes(arg) and arg.name in node.kwargs]
+    return [value for value in written if isinstance(value, Node)]
+
+
+def _writes(arg) -> bool:
+    return arg.alias_info is not None and arg.alias_info.is_write
+
+
+def _schema(node: Node):
+    schema = getattr(node.target, "_schema", None)
+    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
+        schema = node.target.default._schema  # Dynamo records torch.ops.ns.op as the packet
+    return schema
 
 
 def _mutated_arg(node: Node) -> Any:
@@ -303,12 +326,10 @@ def _mutated_arg(node: Node) -> Any:
         target = node.args[0]
         if node.target is operator.setitem or isinstance(example_value(target), torch.Tensor):
             return target
-    schema = getattr(node.target, "_schema", None)
-    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
-        schema = node.target.default._schema  # Dynamo records torch.ops.ns.op as the packet
+    schema = _schema(node)
     if schema is not None:
         for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write:
+            if _writes(arg):
                 return value
     return None
 

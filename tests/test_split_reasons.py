@@ -175,3 +175,33 @@ def test_written_inputs_names_the_buffers_a_piece_updates():
     torch.compile(f, backend=keep, fullgraph=True)(torch.randn(4, 8), torch.zeros(8), torch.ones(8))
     placeholders = [n.name for n in graphs[0].graph.nodes if n.op == "placeholder"]
     assert sorted(placeholders[i] for i in written_inputs(graphs[0])) == ["l_other_", "l_stats_"]
+
+
+@torch.library.custom_op("cgcompile_tests::write_two", mutates_args=("keys", "values"))
+def _write_two(keys: torch.Tensor, values: torch.Tensor, new: torch.Tensor) -> None:
+    keys.copy_(new)
+    values.copy_(new * 2)
+
+
+@_write_two.register_fake
+def _(keys, values, new):
+    return None
+
+
+def test_an_op_that_writes_two_arguments_writes_both():
+    # A cache update writes keys and values: both count, not only the first.
+    from cgcompile.passes import written_inputs
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def f(x, keys, values):
+        torch.ops.cgcompile_tests.write_two(keys, values, x)
+        return x + 1
+
+    torch.compile(f, backend=keep, fullgraph=True)(torch.randn(8), torch.zeros(8), torch.zeros(8))
+    placeholders = [n.name for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert sorted(placeholders[i] for i in written_inputs(graphs[0])) == ["l_keys_", "l_values_"]
