@@ -22,7 +22,6 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from .errors import ConfigError
 from .passes.sdpa import ATTENTION_FUNCTIONS
 from .split_ops import _SDPA_ATEN_OPS, normalize_op, op_names
 
@@ -33,13 +32,7 @@ def normalize_capturable(entry: Any) -> str:
     """"attention" for any spelling of SDPA, else the checked qualified op name."""
     if entry == ATTENTION or entry is F.scaled_dot_product_attention:
         return ATTENTION
-    try:
-        return normalize_op(entry)
-    except ConfigError as e:
-        raise ConfigError(
-            f"capturable_split_ops: expected 'attention', an op such as torch.ops.mylib.attn or a "
-            f"string 'ns::op', got {entry!r}; {e}"
-        ) from e
+    return normalize_op(entry, "capturable_split_ops")
 
 
 @dataclasses.dataclass(frozen=True)

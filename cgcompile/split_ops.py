@@ -53,25 +53,26 @@ def _has_unsafe_tag(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and tag in target.tags
 
 
-def normalize_op(op: Any) -> str:
-    """Turn an op object or an "ns::op[.overload]" string into a checked qualified name."""
+def normalize_op(op: Any, field: str = "splitting_ops") -> str:
+    """Turn an op object or an "ns::op[.overload]" string into a checked qualified name;
+    errors name the Config `field` the op was given in."""
     names = op_names(op)
     if names is not None:
         return names[1] if isinstance(op, torch._ops.OpOverload) else names[0]
     if not isinstance(op, str):
         raise ConfigError(
-            f"splitting_ops: expected an op such as torch.ops.aten.mm or a string 'ns::op', "
+            f"{field}: expected an op such as torch.ops.aten.mm or a string 'ns::op', "
             f"got {op!r} of type {type(op).__name__}"
         )
-    _lookup(op)
+    _lookup(op, field)
     return op
 
 
-def _lookup(name: str) -> Any:
+def _lookup(name: str, field: str) -> Any:
     """Resolve "ns::op[.overload]" to the op object, with an error a user can act on."""
     if "::" not in name:
         raise ConfigError(
-            f"splitting_ops: expected a qualified name 'ns::op' or 'ns::op.overload', got {name!r}; "
+            f"{field}: expected a qualified name 'ns::op' or 'ns::op.overload', got {name!r}; "
             f"write for example 'aten::mm' or 'mylib::attention.default'"
         )
     namespace, rest = name.split("::", 1)
@@ -81,7 +82,7 @@ def _lookup(name: str) -> Any:
         return getattr(packet, overload) if overload else packet
     except (AttributeError, RuntimeError) as e:
         raise ConfigError(
-            f"splitting_ops: expected a registered op, got {name!r}, which is not registered; check "
+            f"{field}: expected a registered op, got {name!r}, which is not registered; check "
             f"the spelling, and import the library that defines it before building the Config"
         ) from e
 
