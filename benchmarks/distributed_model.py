@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.decode_model import Llama
+from benchmarks.decode_model import MODEL_CONFIGS, Llama
 
 
 def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
@@ -109,3 +109,13 @@ def greedy_reference(llama: Llama, ids: torch.Tensor, start: int, steps: int) ->
         ids = model(ids, start + step).argmax(-1)
         out.append(ids)
     return torch.stack(out)
+
+
+def seeded_llama(model: str, device, fill: int) -> Llama:
+    """The decode model every rank (and the single-process reference) builds alike:
+    seeded weights, caches filled to `fill` positions (the "prompt")."""
+    torch.manual_seed(0)
+    llama = Llama(MODEL_CONFIGS[model]).to(device)
+    llama.fill_caches(fill)
+    return llama
+

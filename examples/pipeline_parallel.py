@@ -21,8 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from benchmarks.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
-from benchmarks.distributed_model import StageDecoder, greedy_reference  # noqa: E402
+from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
+from benchmarks.distributed_model import StageDecoder, greedy_reference, seeded_llama  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 FILL = 8  # cache positions filled before decoding (the "prompt")
@@ -37,19 +37,12 @@ def parse_args():
     return parser.parse_args()
 
 
-def build_llama(args, device):
-    torch.manual_seed(0)
-    llama = Llama(MODEL_CONFIGS[args.model]).to(device)
-    llama.fill_caches(FILL)
-    return llama
-
-
 def run_stage(args, device):
     """This rank's stage over the ring schedule; returns the tokens stage 0 received: [steps, B]."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = MODEL_CONFIGS[args.model]
     mb = args.batch // world  # rows per micro-batch; one micro-batch per stage
-    model = StageDecoder(build_llama(args, device), stage_layers(cfg.layers, world, rank))
+    model = StageDecoder(seeded_llama(args.model, device, FILL), stage_layers(cfg.layers, world, rank))
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 32, 64) if s <= mb) + ((mb,) if mb not in (1, 2, 4, 8, 16, 32, 64) else ())
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"], capture_sizes=sizes,
                                                  compiler="eager" if device.type == "cpu" else "inductor",
@@ -98,7 +91,7 @@ def main():
             if dist.get_rank() == 0:
                 first_ids = torch.randint(0, MODEL_CONFIGS[args.model].vocab, (args.batch,),
                                           generator=torch.Generator().manual_seed(1)).to(device)
-                reference = greedy_reference(build_llama(args, device), first_ids, FILL, args.tokens)
+                reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids, FILL, args.tokens)
                 print(f"stage 0: {backend.stats}")
                 print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
         ok = True

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from benchmarks.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
-from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference  # noqa: E402
+from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
+from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference, seeded_llama  # noqa: E402
 from cgcompile.distributed import check_same_rows, prepare_collectives  # noqa: E402
 
 FILL = 8
@@ -37,16 +37,9 @@ def parse_args():
     return parser.parse_args()
 
 
-def build_llama(args, device):
-    torch.manual_seed(0)
-    llama = Llama(MODEL_CONFIGS[args.model]).to(device)
-    llama.fill_caches(FILL)
-    return llama
-
-
 def decode(args, device):
     """Greedy tokens [steps, B] from the sharded, compiled model, and its backend."""
-    model = TensorParallelDecoder(build_llama(args, device))
+    model = TensorParallelDecoder(seeded_llama(args.model, device, FILL))
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=["cgbench::decode_attention"],
                                                  capture_sizes=(1, 2, 4, 8),
                                                  compiler="eager" if device.type == "cpu" else "inductor",
@@ -79,7 +72,7 @@ def main():
         with torch.inference_mode():
             tokens, backend = decode(args, device)
             if dist.get_rank() == 0:
-                reference = greedy_reference(build_llama(args, device), first_ids(args, device), FILL, args.tokens)
+                reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids(args, device), FILL, args.tokens)
                 eager = sum(not p.capturable for p in backend.pieces)
                 collectives_eager = sum(not p.capturable and "all_reduce" in p.graph.code for p in backend.pieces)
                 print(f"rank 0: {backend.stats}; eager pieces {eager}, eager pieces with an all-reduce {collectives_eager}")
