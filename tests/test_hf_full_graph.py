@@ -10,21 +10,12 @@ step runs piecewise. tests/test_cuda_full_graph.py checks the same with CUDA gra
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
 
+from test_hf_llama import tiny_llama
+
 NEW_TOKENS = 8
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config).eval()
 
 
 def generate(model, batch: int, **kwargs) -> torch.Tensor:
