@@ -210,6 +210,14 @@ def _is_tensor(node: Node) -> bool:
 
 
 def _overlaps(node: Node) -> bool:
-    """Whether a stride of 0 (or one that is not a plain int) makes elements share memory."""
+    """Whether a stride of 0 makes elements share memory (an expanded tensor). A symbolic
+    stride counts only when it may be 0: a product of sizes (a dynamic length's row
+    stride) is positive, since Dynamo's size symbols are."""
     value = example_value(node)
-    return any(type(st) is not int or (st == 0 and sz != 1) for sz, st in zip(value.shape, value.stride()))
+    return any(_may_be_zero(st) and sz != 1 for sz, st in zip(value.shape, value.stride()))
+
+
+def _may_be_zero(stride) -> bool:
+    if type(stride) is int:
+        return stride == 0
+    return not bool(getattr(getattr(stride, "node", None), "expr", sympy.S.Zero).is_positive)

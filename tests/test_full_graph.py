@@ -300,3 +300,26 @@ def test_alternating_host_values_do_not_recapture_every_other_call():
         torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
     # 3 first, 3 captured; then every 3 replays and every 5 runs piecewise
     assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (4, 3)
+
+
+@torch.no_grad()
+def test_an_input_with_a_dynamic_length_is_copied_not_checked_by_address():
+    """A mask whose length is a dynamic size has a symbolic row stride: still one element
+    per address, so it is copied like any input (it used to be checked by address, and a
+    mask made anew each step then kept every call piecewise). Its length is a host value."""
+    def step(q, mask):  # q: [1, 2, 4, 8], mask: [1, L]
+        k = q * 2
+        return F.scaled_dot_product_attention(k, k, k) + mask.float().sum()
+
+    backend = cgcompile.Backend(FULL)
+    compiled = torch.compile(step, backend=backend)
+    q = torch.randn(1, 2, 4, 8)
+    for length in (6, 7, 7, 7, 8):
+        mask = torch.ones(1, length, dtype=torch.long)  # new at every call
+        torch._dynamo.mark_dynamic(mask, 1)
+        torch.testing.assert_close(compiled(q, mask), step(q, mask), rtol=0, atol=0)
+    plan = backend.runtimes[-1].full.plan
+    assert "l_mask_" in [plan.names[i] for i in plan.copied] and not plan.by_address
+    # 7, 7, 7: the second call captures, the third replays; each new length runs piecewise
+    assert backend.stats.full_graph_calls == 2
+    assert backend.stats.piecewise_reasons[HOST_REASON] == 2
