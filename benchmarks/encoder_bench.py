@@ -14,9 +14,11 @@ Parts (all by default):
     python benchmarks/encoder_bench.py --json encoder.json           # GPU, ViT-Base shape
     python benchmarks/encoder_bench.py --device cpu --tiny            # smoke test, not timed
 
-Method: every variant is warmed up (compiled and captured) before any timing; then
---rounds rounds in which every (variant, size) runs --iters calls timed with CUDA
-events, so variants see the same phases of the machine; the median call is reported.
+Method (benchmarks/harness.py, as every benchmark here): every variant is warmed up
+(compiled and captured) before any timing; then --rounds rounds in which every (variant,
+size) runs one window of --iters calls timed with CUDA events, variants taking turns, so
+they see the same phases of the machine; the median of every call is reported, and the
+lowest window median beside it.
 Inputs are built before timing. Outputs of every variant are checked against eager
 at every size (max abs difference, fp32 with TF32 off).
 """
@@ -24,14 +26,12 @@ at every size (max abs difference, fp32 with TF32 off).
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
 import cgcompile
+import harness  # benchmarks/harness.py: the method every benchmark here shares
 from cgcompile.testing import SILLY_OP, ToyLlama
 
 MIB = 1024 * 1024
@@ -51,24 +51,6 @@ def vit(device: str, tiny: bool) -> ViTModel:
 def pixels(model: ViTModel, n: int, device: str) -> torch.Tensor:
     c = model.config
     return torch.randn(n, c.num_channels, c.image_size, c.image_size, device=device)  # [N, 3, H, W]
-
-
-def timed(fn, device: str, iters: int) -> float:
-    """Median seconds of one call over `iters` calls."""
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # -- throughput and graph memory per model --------------------------------------------------
@@ -131,15 +113,16 @@ def throughput(device: str, args) -> list[dict]:
                 for _ in range(3):  # warm: reduce-overhead records on its second call
                     got = fn(x)
                 errors[name, n] = float((got.float() - variants["eager"](x).float()).abs().max())
-        samples = {key: [] for key in errors}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                for n, x in inputs.items():
-                    samples[name, n].append(timed(lambda: fn(x), device, args.iters))
-    for (name, n), times in samples.items():
-        median = statistics.median(times)
-        rows.append({"part": "throughput", "variant": name, "images": n, "ms": median * 1000,
-                     "images_per_s": n / median, "max_abs_err": errors[name, n]})
+        on = torch.device(device)
+        windows = {(name, n): (lambda fn=fn, x=x: harness.time_steps(lambda k: fn(x), args.iters, 2, on))
+                   for name, fn in variants.items() for n, x in inputs.items()}
+        samples, failed = harness.run_interleaved(windows, args.rounds)
+    for (name, n), per_round in samples.items():
+        timing = harness.Timing.of(per_round)
+        rows.append({"part": "throughput", "variant": name, "images": n, "ms": timing.median_ms,
+                     "best_window_ms": timing.best_window_ms, "images_per_s": n / timing.median_ms * 1e3,
+                     "max_abs_err": errors[name, n]})
+    rows += [{"part": "error", "variant": name, "error": error} for name, error in failed.items()]
     for backend in (enc_backend, dec_backend):
         if backend is not None and backend.memory_plan is not None:
             plan = backend.memory_plan
@@ -206,6 +189,8 @@ def report(rows: list[dict]) -> None:
             print(f"graph memory {row['model']:<8} {row['graph_memory_bytes'] / MIB:8.1f} MiB "
                   f"(estimate {row['estimate_bytes'] / MIB:.1f}, budget {row['budget_bytes'] / MIB:.0f}, "
                   f"sizes {row['captured_sizes']})")
+        elif row["part"] == "error":
+            print(f"{row['variant']:<16} failed: {row['error'].splitlines()[0]}")
         else:
             pool = "n/a" if row["graph_memory_bytes"] is None else f"{row['graph_memory_bytes'] / MIB:.1f} MiB"
             print(f"generate, {row['variant']:<30} backends {row['backends']}, Dynamo graphs {row['dynamo_graphs']}, "
@@ -235,10 +220,8 @@ def main(argv=None) -> int:
         rows += generate_pool(args.device, args)
     report(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": rows}, f, indent=1)
-    return 0
+        harness.write_json(args.json, {"environment": harness.environment(args.device), "rows": rows})
+    return 1 if any(row["part"] == "error" for row in rows) else 0
 
 
 if __name__ == "__main__":
