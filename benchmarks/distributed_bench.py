@@ -15,10 +15,10 @@ Variants, each on the decode model of decode_model.py with random weights:
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
 --warmup steps before timing; TP step time is the median of --steps steps, each timed
-with a host clock after torch.cuda.synchronize (both ranks run the same steps); PP
-throughput is batch x steps over the wall time of --steps decode steps of both
-micro-batches, synchronised at both ends. The cache holds FILL positions before the
-first step and grows by one per step. Ratios, not absolute numbers, are the verdicts:
+with CUDA events by the shared harness (benchmarks/harness.py; both ranks run the same
+steps, in lockstep through their all-reduces); PP throughput is batch x steps over the
+wall time of --steps decode steps of both micro-batches, synchronised at both ends. The
+cache holds FILL positions before the first step; each step writes the next position. Ratios, not absolute numbers, are the verdicts:
   TP: tp1-cgcompile / tp2-cgcompile >= 1.6 at batch 1 (8b); tp2-eager / tp2-cgcompile >= 4
   PP: pp2-cgcompile / pp2-eager >= 1.6; pp2-cgcompile / single >= 1.3 (tokens/s, batch 64)
 Rank 0 prints one JSON line per measurement and the ratios at the end.
@@ -41,6 +41,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
                                      use_length_independent_attention_kernels)
+from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 from cgcompile.distributed import prepare_collectives  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
@@ -63,11 +64,6 @@ def parse_args():
     return args
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_backend(device, reuse=False):
     cuda = device.type == "cuda"
     return cgcompile.Backend(cgcompile.Config(
@@ -88,21 +84,13 @@ def build_llama(cfg, device, dtype):
     return llama
 
 
-def step_times(fn, device, batch, args, group_sync=True):
-    """Median seconds per call of fn(ids, start) after warm-up."""
+def step_seconds(fn, device, batch, args):
+    """Median seconds of one decode step fn(ids, start), timed by the shared harness (CUDA
+    events around each step after untimed warm-up steps). Tensor-parallel ranks run in
+    lockstep through their all-reduces, so no barrier is needed between steps."""
     ids = torch.arange(batch, device=device) % 100
-    times, start = [], FILL
-    for i in range(args.warmup + args.steps):
-        if group_sync:
-            dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        fn(ids, start)
-        sync(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        start += 1
-    return statistics.median(times)
+    ms = harness.time_steps(lambda k: fn(ids, FILL + k), args.steps, args.warmup, device)
+    return statistics.median(ms) / 1e3
 
 
 def tensor_parallel(llama, device, args, report):
@@ -111,13 +99,13 @@ def tensor_parallel(llama, device, args, report):
     compiled = torch.compile(model, backend=make_backend(device))
     for batch in map(int, args.batches.split(",")):
         for name, fn in (("tp2-cgcompile", compiled), ("tp2-eager", model)):
-            report(name, batch, step_s=step_times(fn, device, batch, args))
+            report(name, batch, step_s=step_seconds(fn, device, batch, args))
     del model, compiled
     torch._dynamo.reset()
     if dist.get_rank() == 0:
         single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
         for batch in map(int, args.batches.split(",")):
-            report("tp1-cgcompile", batch, step_s=step_times(single, device, batch, args, group_sync=False))
+            report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
         torch._dynamo.reset()
     dist.barrier()
@@ -150,10 +138,10 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
 
         decode(args.warmup, FILL)
         dist.barrier()
-        sync(device)
+        harness.synchronize(device)
         t0 = time.perf_counter()
         decode(args.steps, FILL + args.warmup)
-        sync(device)
+        harness.synchronize(device)
         dist.barrier()
         report(name, batch, tokens_per_s=batch * args.steps / (time.perf_counter() - t0))
         torch._dynamo.reset()
@@ -189,7 +177,7 @@ def main():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print_ratios(rows)
-    sync(device)
+    harness.synchronize(device)
     dist.barrier()
     dist.destroy_process_group()
 
