@@ -2,6 +2,7 @@
 the test, with a hard timeout so a hang fails instead of blocking), and the pure parts
 (stage split, ring schedule, in-place buffers, bad input without a process group)."""
 
+import json
 import os
 import pathlib
 import signal
@@ -50,6 +51,15 @@ def test_pipeline_scenarios_on_two_gloo_ranks():
 def test_example_tokens_equal_single_process_eager(example):
     out = torchrun(ROOT / "examples" / example, "--device", "cpu")
     assert "tokens match: True" in out.splitlines(), out
+
+
+def test_distributed_bench_runs_end_to_end_on_two_gloo_ranks():
+    """The benchmark's smoke test (numbers on the CPU mean nothing): every variant reports."""
+    out = torchrun(ROOT / "benchmarks" / "distributed_bench.py", "--device", "cpu", "--tiny")
+    rows = [line for line in out.splitlines() if line.startswith("{")]
+    variants = {json.loads(line)["variant"] for line in rows}
+    assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "pp2-cgcompile", "pp2-eager"}, out
+    assert "pp2-cgcompile/pp2-eager" in out
 
 
 # -- one process ---------------------------------------------------------------------------
