@@ -48,12 +48,16 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import transformers
 
 import cgcompile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/, also when loaded by a test
+import harness  # noqa: E402  (the method every benchmark here shares)
 
 KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's recommended dynamic_sources line
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
@@ -347,16 +351,11 @@ def compare(arch: Arch, got, expected) -> Comparison:
 # -- timing -------------------------------------------------------------------------------
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def seconds(fn: Callable[[], Any], device: str) -> float:
-    sync(device)
+    harness.synchronize(device)
     start = time.perf_counter()
     fn()
-    sync(device)
+    harness.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -375,13 +374,16 @@ def one_measure(arch: Arch, model, inputs: dict, options: Options) -> float:
 
 
 def time_eager_and_compiled(arch: Arch, model, inputs: dict, targets, forwards, options: Options):
-    """Median ms of eager and of cgcompile, timed round-robin (the host's speed drifts)."""
-    eager, ours = [], []
-    for _ in range(options.rounds):
-        eager.append(one_measure(arch, model, inputs, options))
+    """Median ms of eager and of cgcompile, timed in interleaved rounds (the host's speed drifts)."""
+    def with_graphs():
         with compiled(targets, forwards):
-            ours.append(one_measure(arch, model, inputs, options))
-    return 1e3 * statistics.median(eager), 1e3 * statistics.median(ours)
+            return one_measure(arch, model, inputs, options)
+
+    windows = {("eager", 1): lambda: one_measure(arch, model, inputs, options), ("cgcompile", 1): with_graphs}
+    samples, errors = harness.run_interleaved(windows, options.rounds)
+    if errors:
+        raise RuntimeError("; ".join(f"{variant}: {error}" for variant, error in errors.items()))
+    return tuple(1e3 * statistics.median(samples[key]) for key in windows)
 
 
 # -- one model ----------------------------------------------------------------------------
