@@ -255,3 +255,33 @@ def test_eager_break_that_changes_its_result_structure_fails_loudly():
     with pytest.raises(cgcompile.CaptureError,
                        match=r"eager step scale_or_pair: expected 1 tensor\(s\) in its result, as at capture .*got 2"):
         manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
+
+
+class _RunningStat(nn.Module):
+    """A buffer updated in place inside what becomes a captured segment."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.register_buffer("stat", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.a(x)
+        self.stat.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        h = torch.ops.cgcompile_testing.silly_attention(h, h, h)
+        return h * self.stat
+
+
+def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing(monkeypatch):
+    # Observed call, capturing call, replays: each must update the buffer exactly once.
+    monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model, reference = _RunningStat().cuda(), _RunningStat().cuda()
+    reference.load_state_dict(model.state_dict())
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 16, device="cuda")
+            torch.testing.assert_close(manager.run_pw_graph(model, (x,)), reference(x))
+            torch.testing.assert_close(model.stat, reference.stat)
