@@ -22,6 +22,8 @@ from cgcompile.breakable_signature import flatten_call
 from cgcompile.capture import Mode
 from cgcompile.testing import SILLY_OP, ToyLlama
 
+from breakable_models import Flip, FlipModel, RunningStat
+
 SIZES = (2, 4, 8, 16)
 
 
@@ -200,29 +202,9 @@ def test_a_host_sync_in_a_segment_makes_the_call_uncapturable_not_wrong(caplog):
     assert "run eagerly" in warning and "_local_scalar_dense" in warning and "synchronises with the host" in warning
 
 
-class Flip:
-    tuple_result = False
-
-
-@cgcompile.eager_break
-def scale_or_pair(x, flip):
-    return (x * 2, x) if flip.tuple_result else x * 2
-
-
-class FlipModel(nn.Module):
-    def __init__(self, flip):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.flip = flip
-
-    def forward(self, x):
-        out = scale_or_pair(self.a(x), self.flip)
-        return out[0] if isinstance(out, tuple) else out
-
-
 def test_an_eager_break_that_changes_its_result_structure_raises():
     flip = Flip()
-    model = FlipModel(flip)
+    model = FlipModel(flip, 4)
     manager = manager_for(model)
     for _ in range(2):  # observe, capture
         manager.run_pw_graph(model, (torch.randn(4, 4),))
@@ -322,3 +304,16 @@ def test_an_empty_cuda_segment_is_ended_without_a_replay():
     segments = CudaGraphSegments(session)
     assert segments.end(segments.begin(), "X (segment before y)", True) is None
     assert session.log == ["begin", "end y"]
+
+
+def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing():
+    # Observed call, capturing call, replays: each updates the buffer exactly once.
+    torch.manual_seed(0)
+    model, reference = RunningStat(4), RunningStat(4)
+    reference.load_state_dict(model.state_dict())
+    manager = manager_for(model)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 4)
+            torch.testing.assert_close(manager.run_pw_graph(model, (x,)), reference(x))
+            torch.testing.assert_close(model.stat, reference.stat)

@@ -12,6 +12,7 @@ import cgcompile
 from cgcompile.breakable_record import EagerStep
 from cgcompile.testing import SILLY_OP, ToyLlama
 
+from breakable_models import Flip, FlipModel, RunningStat
 from cuda_helpers import capture_error_in_own_process, private_pools
 
 pytestmark = [
@@ -225,29 +226,9 @@ def test_unjoined_side_stream_before_a_break_is_a_clear_error():
     assert "side stream" in out
 
 
-class Flip:
-    tuple_result = False
-
-
-@cgcompile.eager_break
-def scale_or_pair(x, flip):
-    return (x * 2, x) if flip.tuple_result else x * 2
-
-
-class FlipModel(nn.Module):
-    def __init__(self, flip):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.flip = flip
-
-    def forward(self, x):
-        out = scale_or_pair(self.a(x), self.flip)
-        return out[0] if isinstance(out, tuple) else out
-
-
 def test_eager_break_that_changes_its_result_structure_fails_loudly():
     flip = Flip()
-    model = FlipModel(flip).cuda()
+    model = FlipModel(flip, 16).cuda()
     manager = cgcompile.GraphManager(model, _config(), boundary=None)
     for _ in range(2):  # observe, capture
         manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
@@ -257,27 +238,12 @@ def test_eager_break_that_changes_its_result_structure_fails_loudly():
         manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),))
 
 
-class _RunningStat(nn.Module):
-    """A buffer updated in place inside what becomes a captured segment."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.register_buffer("stat", torch.zeros(16))
-
-    def forward(self, x):
-        h = self.a(x)
-        self.stat.mul_(0.9).add_(h.mean(0), alpha=0.1)
-        h = torch.ops.cgcompile_testing.silly_attention(h, h, h)
-        return h * self.stat
-
-
 def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing(monkeypatch):
     # Observed call, capturing call, replays: each must update the buffer exactly once.
     monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    model, reference = _RunningStat().cuda(), _RunningStat().cuda()
+    model, reference = RunningStat(16).cuda(), RunningStat(16).cuda()
     reference.load_state_dict(model.state_dict())
     manager = cgcompile.GraphManager(model, _config(), boundary=None)
     with torch.no_grad():
