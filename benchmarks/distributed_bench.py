@@ -43,7 +43,7 @@ from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, Mo
                                      use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
-from cgcompile.distributed import prepare_collectives  # noqa: E402
+from cgcompile.distributed import prepare_collectives, shut_down  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
@@ -177,9 +177,7 @@ def main():
             torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         print_ratios(rows)
-    harness.synchronize(device)
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down(True)
 
 
 def print_ratios(rows):

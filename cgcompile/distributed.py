@@ -104,3 +104,17 @@ def check_same_rows(culprit: str, rows: int, group=None) -> None:
     odd = [f"rank {rank}: {n}" for rank, n in everyone if n != rows]
     expect(not odd, f"{rank_name()}: {culprit}", f"every rank to call with {rows} rows, as this rank does",
            ", ".join(odd), "give every rank of the group the same batch", DistributedError, raw=True)
+
+
+def shut_down(ok: bool) -> None:
+    """End a torchrun worker cleanly: finish the GPU work, then tear the process group down
+    on every rank together. A rank that exits while its peer still has NCCL work in flight,
+    or without destroy_process_group (the communicators are then torn down by interpreter
+    exit, in no fixed order), is what torchrun reports as a failed rank. After an error
+    (`ok` False) the barrier is skipped: the peers may never reach it."""
+    if ok:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        dist.barrier()
+    dist.destroy_process_group()
+

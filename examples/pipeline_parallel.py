@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import StageDecoder, greedy_reference, seeded_llama  # noqa: E402
+from cgcompile.distributed import shut_down  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 FILL = 8  # cache positions filled before decoding (the "prompt")
@@ -97,19 +98,6 @@ def main():
         ok = True
     finally:
         shut_down(ok)
-
-
-def shut_down(ok: bool):
-    """Leave torchrun a clean exit: finish the GPU work, then tear the group down on every
-    rank together. A rank that exits while its peer still has NCCL work in flight, or
-    without destroy_process_group (the communicators are then torn down by interpreter
-    exit, in no fixed order), is what torchrun reports as a failed rank. After an error,
-    skip the barrier: the peers may never reach it."""
-    if ok:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.distributed import check_same_rows, prepare_collectives  # noqa: E402
+from cgcompile.distributed import check_same_rows, prepare_collectives, shut_down  # noqa: E402
 
 FILL = 8
 
@@ -80,15 +80,6 @@ def main():
         ok = True
     finally:
         shut_down(ok)
-
-
-def shut_down(ok: bool):
-    """A clean exit under torchrun (see examples/pipeline_parallel.py's shut_down)."""
-    if ok:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
