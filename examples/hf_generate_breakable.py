@@ -11,33 +11,11 @@ tensors they were recorded with, as a graph would), which checks the breaks and 
 """
 
 import argparse
-import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
-
-
-def build_model(args) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=4096)
-    model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
-    model.generation_config.eos_token_id = None  # random weights: generate exactly --new-tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def timed_generate(model, ids, mask, new_tokens) -> tuple[torch.Tensor, float]:
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
+from hf_generate import build_model, make_prompt, timed_generate  # the same model, prompt and timing
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,11 +38,7 @@ def main() -> None:
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 eager and graphs run the same kernels
     model = build_model(args)
-    torch.manual_seed(1)
-    ids = torch.randint(3, 1024, (args.batch, args.prompt_len), device=args.device)  # [B, T]
-    mask = torch.ones_like(ids)
-    mask[1:, :2] = 0  # rows after the first are left-padded by two tokens
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = make_prompt(args, model.config.vocab_size)
 
     timed_generate(model, ids, mask, args.new_tokens)  # warm-up
     expected, eager_s = timed_generate(model, ids, mask, args.new_tokens)
