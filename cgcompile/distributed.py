@@ -62,8 +62,8 @@ def check_backend(culprit: str, group, device: torch.device) -> str:
     name = backend_for(group, device)
     expect(name is not None, f"{rank_name()}: {culprit}", f"a process group with a backend for {device.type}",
            f"one configured as {dist.get_backend_config(group)!r}",
-           f"move the tensors to a device the group serves, or init the group for both "
-           f"(backend='cpu:gloo,cuda:nccl')", DistributedError, raw=True)
+           "move the tensors to a device the group serves, or init the group for both "
+           "(backend='cpu:gloo,cuda:nccl')", DistributedError, raw=True)
     return name
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from .graph_values import example_value, is_view_op, tensors_in
+from .graph_values import example_value, is_view_op
 from .split_rule import SplitReason, is_floating
 
 

@@ -30,3 +30,23 @@ def capture_error_in_own_process(setup: str, capture: str) -> str:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "CaptureError:" in result.stdout, result.stdout + result.stderr
     return result.stdout
+
+
+def compiled_toy_llama(compiler: str, sizes: tuple[int, ...], n_layers: int = 3, **fields):
+    """(model, backend, compiled): a seeded ToyLlama on CUDA, split at the silly op."""
+    import cgcompile
+    from cgcompile.testing import SILLY_OP, ToyLlama
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ToyLlama(n_layers, hidden=64, vocab=128).cuda()
+    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler=compiler, capture_sizes=sizes, **fields)
+    backend = cgcompile.Backend(config)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def dynamic_ids(n: int) -> torch.Tensor:
+    """n token ids on CUDA, dim 0 marked dynamic (the capture dimension)."""
+    ids = torch.randint(0, 128, (n,), device="cuda")
+    torch._dynamo.mark_dynamic(ids, 0)
+    return ids

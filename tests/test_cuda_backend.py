@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing import SILLY_OP
 
-from cuda_helpers import capture_error_in_own_process, private_pools
+from cuda_helpers import capture_error_in_own_process, compiled_toy_llama, dynamic_ids, private_pools
 
 pytestmark = [
     pytest.mark.cuda,
@@ -17,18 +17,7 @@ SIZES = (2, 4, 8, 16, 32, 64)
 
 
 def _compiled(compiler="eager", n_layers=3, **cfg):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = ToyLlama(n_layers, hidden=64, vocab=128).cuda()
-    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler=compiler, capture_sizes=SIZES, **cfg)
-    backend = cgcompile.Backend(config)
-    return model, backend, torch.compile(model, backend=backend)
-
-
-def _ids(n):
-    ids = torch.randint(0, 128, (n,), device="cuda")
-    torch._dynamo.mark_dynamic(ids, 0)
-    return ids
+    return compiled_toy_llama(compiler, SIZES, n_layers, **cfg)
 
 
 def _capturable(backend):
@@ -40,7 +29,7 @@ def test_eager_pieces_equal_eager_at_padded_sizes(n):
     torch.backends.cuda.matmul.allow_tf32 = False
     model, backend, compiled = _compiled()
     for _ in range(3):  # capture, then replay twice
-        ids = _ids(n)
+        ids = dynamic_ids(n)
         torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
     assert backend.stats.graphs_captured == _capturable(backend) == 4
 
@@ -49,7 +38,7 @@ def test_inductor_pieces_close_to_eager_mixed_sizes():
     model, backend, compiled = _compiled("inductor")
     sizes = [3, 17, 5, 64, 3, 40, 17, 2]
     for n in sizes:
-        ids = _ids(n)
+        ids = dynamic_ids(n)
         torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-3, atol=2e-3)
     padded = {backend.session.padding.padded(n) for n in sizes}
     assert backend.stats.graphs_captured == len(padded) * _capturable(backend)
@@ -58,14 +47,14 @@ def test_inductor_pieces_close_to_eager_mixed_sizes():
 
 def test_above_largest_size_runs_without_graphs():
     model, backend, compiled = _compiled()
-    ids = _ids(100)
+    ids = dynamic_ids(100)
     torch.testing.assert_close(compiled(ids), model(ids))
     assert backend.stats.graphs_captured == 0
 
 
 def test_held_outputs_are_not_overwritten():
     model, backend, compiled = _compiled()
-    first_ids, second_ids = _ids(5), _ids(5)
+    first_ids, second_ids = dynamic_ids(5), dynamic_ids(5)
     first = compiled(first_ids)
     expected = model(first_ids).clone()
     compiled(second_ids)
@@ -75,7 +64,7 @@ def test_held_outputs_are_not_overwritten():
 
 def test_reuse_output_buffers_returns_static_buffers():
     model, backend, compiled = _compiled(reuse_output_buffers=True)
-    a, b = _ids(5), _ids(5)
+    a, b = dynamic_ids(5), dynamic_ids(5)
     first = compiled(a)
     second = compiled(b)
     assert first.data_ptr() == second.data_ptr()  # the documented risk of the opt-out
@@ -86,60 +75,60 @@ def test_graph_allocations_live_in_the_one_pool():
     model, backend, compiled = _compiled()
     before = private_pools()
     for n in (3, 16, 64):
-        compiled(_ids(n))
+        compiled(dynamic_ids(n))
     assert private_pools() - before == {tuple(backend.session.pool.handle)}
     assert backend.graph_memory() > 0
 
 
 def test_ahead_of_time_capture_all_sizes_then_replay():
     model, backend, compiled = _compiled()
-    captured = backend.capture(compiled, lambda size, warmup: (_ids(size),), progress=False)
+    captured = backend.capture(compiled, lambda size, warmup: (dynamic_ids(size),), progress=False)
     assert captured == len(SIZES) * _capturable(backend)
     before = backend.stats.graphs_captured
     for n in (3, 33, 64, 7):
-        ids = _ids(n)
+        ids = dynamic_ids(n)
         torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
     assert backend.stats.graphs_captured == before  # nothing captured lazily
 
 
 def test_profile_capture_memory_releases_everything():
     model, backend, compiled = _compiled()
-    compiled(_ids(3))  # compile only (size 3 captures: clear it)
+    compiled(dynamic_ids(3))  # compile only (size 3 captures: clear it)
     backend.clear()
-    profile = backend.profile_capture_memory(compiled, lambda size, warmup: (_ids(size),))
+    profile = backend.profile_capture_memory(compiled, lambda size, warmup: (dynamic_ids(size),))
     assert profile.bytes > 0
     assert profile.graphs == len(SIZES) * _capturable(backend)
     assert backend.graph_memory() == 0
-    ids = _ids(9)
+    ids = dynamic_ids(9)
     torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
 
 
 def test_pool_for_all_sizes_close_to_largest_alone():
     model, backend, compiled = _compiled(n_layers=4)
-    compiled(_ids(3))
+    compiled(dynamic_ids(3))
     backend.clear()
-    largest = backend.profile_capture_memory(compiled, lambda s, w: (_ids(s),), sizes=(64,)).bytes
-    every = backend.profile_capture_memory(compiled, lambda s, w: (_ids(s),)).bytes
+    largest = backend.profile_capture_memory(compiled, lambda s, w: (dynamic_ids(s),), sizes=(64,)).bytes
+    every = backend.profile_capture_memory(compiled, lambda s, w: (dynamic_ids(s),)).bytes
     assert every <= 1.25 * largest, (every, largest)
 
 
 def test_clear_releases_and_recaptures():
     model, backend, compiled = _compiled()
-    compiled(_ids(6))
+    compiled(dynamic_ids(6))
     captured = backend.stats.graphs_captured
     backend.clear()
     assert backend.graph_memory() == 0
-    ids = _ids(6)
+    ids = dynamic_ids(6)
     torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
     assert backend.stats.graphs_captured == 2 * captured
 
 
 def test_check_addresses_names_the_piece_when_a_parameter_moves():
     model, backend, compiled = _compiled(check_addresses=True)
-    compiled(_ids(4))
+    compiled(dynamic_ids(4))
     model.layers[0].qkv.weight.data = model.layers[0].qkv.weight.data.clone()
     with pytest.raises(cgcompile.CaptureError, match=r"graph0\.piece_\d+: input \d+"):
-        compiled(_ids(4))
+        compiled(dynamic_ids(4))
 
 
 @torch.library.custom_op("cgcompile_test::lazy_scale", mutates_args=())

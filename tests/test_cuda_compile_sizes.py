@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import cgcompile
 from cgcompile.size_specialise import SizeSpecialised
-from cgcompile.testing import SILLY_OP, ToyLlama
+
+from cuda_helpers import compiled_toy_llama, dynamic_ids
 
 pytestmark = [
     pytest.mark.cuda,
@@ -16,18 +16,7 @@ SIZES = (2, 4, 8, 16)
 
 
 def _compiled(compiler: str, **fields):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = ToyLlama(3, hidden=64, vocab=128).cuda()
-    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler=compiler, capture_sizes=SIZES, **fields)
-    backend = cgcompile.Backend(config)
-    return model, backend, torch.compile(model, backend=backend)
-
-
-def _ids(n):
-    ids = torch.randint(0, 128, (n,), device="cuda")
-    torch._dynamo.mark_dynamic(ids, 0)
-    return ids
+    return compiled_toy_llama(compiler, SIZES, **fields)
 
 
 def _specialised(backend) -> list[SizeSpecialised]:
@@ -50,7 +39,7 @@ def test_graphs_of_a_compile_size_capture_the_specialised_code(compiler):
     torch.backends.cuda.matmul.allow_tf32 = False
     model, backend, compiled = _compiled(compiler, compile_sizes=(4,))
     for n in (3, 3, 4, 7, 7, 3):  # size 4: specialised; size 8: general; each captured once
-        ids = _ids(n)
+        ids = dynamic_ids(n)
         torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-3, atol=2e-3)
     assert backend.stats.specialised_compilations == 3  # three distinct pieces of four
     assert backend.stats.graphs_captured == 2 * 4
@@ -60,7 +49,7 @@ def test_graphs_of_a_compile_size_capture_the_specialised_code(compiler):
 
 def test_replays_do_not_call_the_specialised_code_again():
     model, backend, compiled = _compiled("inductor", compile_sizes=(4,))
-    ids = _ids(3)
+    ids = dynamic_ids(3)
     compiled(ids)  # warm-up, specialised compile, capture, first replay
     counters = []
     for fn in _specialised(backend):
@@ -73,10 +62,10 @@ def test_replays_do_not_call_the_specialised_code_again():
 
 def test_ahead_of_time_capture_compiles_in_the_warm_up():
     model, backend, compiled = _compiled("inductor", compile_sizes=(2, 16))
-    backend.capture(compiled, lambda size, warmup: (_ids(size),), progress=False)
+    backend.capture(compiled, lambda size, warmup: (dynamic_ids(size),), progress=False)
     assert backend.stats.specialised_compilations == 6
     assert backend.stats.graphs_captured == 4 * len(SIZES)
     for n in (3, 2, 9, 16):
-        ids = _ids(n)
+        ids = dynamic_ids(n)
         torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-3, atol=2e-3)
     assert backend.stats.specialised_compilations == 6
