@@ -251,14 +251,13 @@ class Backend:
             return f"piecewise only: {plan}"
         output = next(n for n in gm.graph.nodes if n.op == "output")
         values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-        contiguous = tuple(
-            _statically_contiguous(example_value(v)) if isinstance(example_value(v), torch.Tensor) else None
-            for v in values
+        copies = () if self.config.reuse_output_buffers else tuple(
+            OutputCopy(i, _statically_contiguous(example_value(v)))
+            for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
         )
         runtime.full = FullGraph(
             f"graph{graph_index}", plan, plain_function(runtime, self.config.cudnn_attention), self.session,
-            self._stats, contiguous, cudagraphs=analysis.cudagraphs,
-            reuse_outputs=self.config.reuse_output_buffers,
+            self._stats, copies, cudagraphs=analysis.cudagraphs,
         )
         checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
         return f"full graph per call where these match the capture: {checked or 'nothing'}"

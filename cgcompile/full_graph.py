@@ -40,6 +40,7 @@ from .attention_backend import call_without_cudnn_attention
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import FullGraphPlan
+from .runtime import OutputCopy, copy_out
 from .piece import BackendStats
 from .runtime import GraphRuntime, _StitchNamespace
 
@@ -61,20 +62,19 @@ class FullGraph:
 
     plain: the whole graph as one function (every piece's code in order, no graphs): what
         is captured, and what runs on the full path without CUDA graphs (CPU).
-    contiguous: per graph output, True/False as `runtime.OutputCopy.contiguous`, None
-        for a value that is not a tensor.
+    copies: how each tensor output is copied out of the graph's static buffers
+        (`runtime.OutputCopy`); empty with Config.reuse_output_buffers.
     """
 
     def __init__(self, name: str, plan: FullGraphPlan, plain: Callable, session: CaptureSession,
-                 stats: BackendStats, contiguous: tuple, *, cudagraphs: bool, reuse_outputs: bool):
+                 stats: BackendStats, copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
         self.name = name
         self.plan = plan
         self.plain = plain
         self.session = session
         self.stats = stats
-        self.contiguous = contiguous
+        self.copies = copies
         self.cudagraphs = cudagraphs
-        self.reuse_outputs = reuse_outputs
         self.graphs: dict[int, _Entry] = {}
         self.calls = Counter()  # "full", "piecewise": this graph's share of the stats
         self.disabled: str | None = None  # why the full path is off for good (a failed capture)
@@ -150,12 +150,7 @@ class FullGraph:
         return static
 
     def _hand_out(self, outputs: tuple):
-        if self.reuse_outputs:
-            return outputs
-        return tuple(
-            o if c is None else o.clone(memory_format=torch.contiguous_format) if c else o.clone()
-            for o, c in zip(outputs, self.contiguous)
-        )
+        return copy_out(outputs, self.copies) if self.copies else outputs
 
     # -- accounting -------------------------------------------------------------------------
 

@@ -61,6 +61,15 @@ class OutputCopy:
     contiguous: bool
 
 
+def copy_out(outputs, copies: tuple[OutputCopy, ...]) -> tuple:
+    """`outputs` with each output `copies` names replaced by its copy (see OutputCopy)."""
+    outputs = list(outputs)
+    for copy in copies:
+        value = outputs[copy.index]
+        outputs[copy.index] = value.clone(memory_format=torch.contiguous_format) if copy.contiguous else value.clone()
+    return tuple(outputs)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallSizing:
     """Where a call's size n is read (dim `dim` of graph input `input_index`) and the
@@ -134,10 +143,4 @@ class GraphRuntime:
             outputs = self._code(self._namespace, *args)
         else:
             outputs = call_without_cudnn_attention(self._code, self._namespace, *args)
-        if not self.clone_outputs:
-            return outputs
-        outputs = list(outputs)
-        for copy in self.clone_outputs:
-            value = outputs[copy.index]
-            outputs[copy.index] = value.clone(memory_format=torch.contiguous_format) if copy.contiguous else value.clone()
-        return tuple(outputs)
+        return copy_out(outputs, self.clone_outputs) if self.clone_outputs else outputs
