@@ -17,6 +17,7 @@ import os
 
 from torch._dynamo.utils import lazy_format_graph_code
 
+from .errors import ArgumentError, expect, expected
 from .piece import Piece
 
 SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")  # reason: eager, or unsafe to pad
@@ -119,3 +120,17 @@ def _new_folder(dump_dir: str, graph_index: int) -> str:
 def _write(folder: str, name: str, text: str) -> None:
     with open(os.path.join(folder, name), "w") as f:
         f.write(text)
+
+
+def read_json(path: str, wanted: str, keys: tuple[str, ...], fix: str) -> dict:
+    """A JSON object cgcompile wrote (a dump's summary, a memory plan), with `keys` in it;
+    an ArgumentError naming the file, what it should be and `fix` otherwise."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArgumentError(expected(path, wanted, f"{type(e).__name__}: {e}", fix, raw=True)) from e
+    expect(isinstance(value, dict) and all(k in value for k in keys), path, f"{wanted}, with keys {list(keys)}",
+           sorted(value) if isinstance(value, dict) else value, fix)
+    return value
+

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
 import sys
 
-from .dump import format_summary
+from .dump import format_summary, read_json
 from .errors import ArgumentError, CGCompileError, expect, expected
 from .memory_plan import format_plan, read_plans
 
@@ -35,15 +34,7 @@ def summaries(dump_dir: str) -> list[dict]:
 
 
 def _read(path: str) -> dict:
-    wanted = "a summary.json written by cgcompile"
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArgumentError(expected(path, wanted, f"{type(e).__name__}: {e}", "dump again", raw=True)) from e
-    complete = isinstance(summary, dict) and all(k in summary for k in _SUMMARY_KEYS)
-    expect(complete, path, f"{wanted}, with keys {list(_SUMMARY_KEYS)}",
-           sorted(summary) if isinstance(summary, dict) else summary, "dump again")
+    summary = read_json(path, "a summary.json written by cgcompile", _SUMMARY_KEYS, "dump again")
     pieces = summary["pieces"]
     complete = isinstance(pieces, list) and all(isinstance(p, dict) and all(k in p for k in _PIECE_KEYS) for p in pieces)
     expect(complete, f"{path}: pieces", f"a list of pieces with keys {list(_PIECE_KEYS)}", pieces, "dump again")

@@ -34,7 +34,8 @@ import os
 from typing import Any
 
 from .aot_capture import MakeInputs, capture_all, check_capture_call, require_cuda_graphs, requested_sizes
-from .errors import ArgumentError, CaptureError, expect, expected
+from .dump import read_json
+from .errors import CaptureError, expect, expected
 
 log = logging.getLogger(__name__)
 
@@ -299,13 +300,4 @@ def read_plans(dump_dir: str) -> list[dict]:
 
 
 def _read_plan(path: str) -> dict:
-    wanted = "a memory plan written by cgcompile"
-    try:
-        with open(path) as f:
-            plan = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArgumentError(expected(path, wanted, f"{type(e).__name__}: {e}", "write the plan again", raw=True)) from e
-    keys = ("name", "sizes", "captured")
-    expect(isinstance(plan, dict) and all(k in plan for k in keys), path, f"{wanted}, with keys {list(keys)}",
-           sorted(plan) if isinstance(plan, dict) else plan, "write the plan again")
-    return plan
+    return read_json(path, "a memory plan written by cgcompile", ("name", "sizes", "captured"), "write the plan again")
