@@ -474,7 +474,8 @@ def environment(args) -> dict:
     return harness.environment(
         args.device, transformers=transformers.__version__, model=TINY if args.tiny else FULL, dtype=args.dtype,
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, compiler=args.compiler, rounds=args.rounds,
-        long_tokens=args.long_tokens, process_start_s=getattr(args, "process_start_s", None))
+        long_tokens=args.long_tokens, cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
+        process_start_s=getattr(args, "process_start_s", None))
 
 
 def parse_args() -> argparse.Namespace:
@@ -496,7 +497,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=0,
                         help="after timing, one generate() of this many new tokens, timed per step (0: none)")
     parser.add_argument("--long-variants", default="breakable", help="comma-separated variants the long run covers")
+    parser.add_argument("--no-cudnn-attention", action="store_true",
+                        help="turn off SDPA's cuDNN backend for every variant (it builds a plan per key length)")
     args = parser.parse_args()
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     on_cuda = args.device == "cuda"
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.new_tokens = args.new_tokens or (16 if args.tiny else 256)
