@@ -6,7 +6,8 @@ the GPU time into classes, each with the bytes it must move per step where that 
     gemm        matrix products (cuBLAS, CUTLASS, Triton mm templates): every weight matrix
                 is read once per step, so their bytes are the matmul weights
     attention   kernels launched while the attention op ran on the host (found through
-                the launch's correlation id): the KV cache read per step
+                the launch's correlation id), or named as attention kernels (flash, fmha:
+                inside a full graph nothing runs on the host): the KV cache read per step
     copy        memcpy/memset and copy kernels (graph input copies, output clones)
     elementwise everything else (norms, activations, rotary, fused Triton pointwise)
 
@@ -24,6 +25,7 @@ import re
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul", re.I)
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
 COPY = re.compile(r"copy|memcpy|memset|fill", re.I)
 GRAPH_LAUNCH = "cudaGraphLaunch"
 
@@ -75,6 +77,8 @@ def _class_of(kernel: dict, launch: dict | None, attention_ranges: list[tuple[fl
     if launch is not None and any(lo <= launch["ts"] <= hi for lo, hi in attention_ranges):
         return "attention"
     name = kernel.get("name", "")
+    if ATTENTION.search(name):
+        return "attention"
     if kernel["cat"] != "kernel" or COPY.search(name) and not GEMM.search(name):
         return "copy"
     return "gemm" if GEMM.search(name) else "elementwise"

@@ -51,3 +51,15 @@ def test_kernels_are_classified_with_bandwidth_and_gaps():
 def test_no_kernels_gives_an_empty_breakdown():
     b = classify({"traceEvents": []}, 2, ("attention",), {}, peak_gbs=1000)
     assert (b.classes, b.kernel_ms_per_step, b.gap_ms_per_step) == ([], 0.0, {})
+
+
+def test_attention_kernels_inside_a_graph_are_attention_by_name():
+    # A full graph replays attention with the rest: no host op brackets its launch.
+    trace = {"traceEvents": [
+        _launch("cudaGraphLaunch", 0, 1),
+        _kernel("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 10, 40, 1),  # CUTLASS, yet attention
+        _kernel("void pytorch_flash::flash_fwd_splitkv_kernel", 50, 10, 1),
+        _kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 60, 25, 1),
+    ]}
+    b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
+    assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {"attention": 0.05, "gemm": 0.025}
