@@ -8,6 +8,10 @@ Variants, each on the decode model of decode_model.py with random weights:
                     compiled with cgcompile on both ranks: step time at batch 1, 8, 64
     tp2-eager       the same model, eager
     tp1-cgcompile   the unsharded model compiled with cgcompile on rank 0 alone
+    tp2-cgcompile-full, tp1-cgcompile-full
+                    the same with static attention (a device-side position, the whole
+                    cache masked) declared capturable: one CUDA graph per step, the
+                    all-reduces inside it (Config.capturable_split_ops)
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
                     (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
     pp2-eager       the same stages, eager
@@ -40,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
-                                     use_length_independent_attention_kernels)
+                                     StaticMaskDecoder, use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 from cgcompile.distributed import prepare_collectives, shut_down  # noqa: E402
@@ -58,17 +62,21 @@ def parse_args():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
+    p.add_argument("--parts", default="pp,tp", help="which of pp (pipeline) and tp (tensor parallel) to run")
     args = p.parse_args()
     if args.tiny:
         args.models, args.steps, args.warmup = "tiny", 3, 2
     return args
 
 
-def make_backend(device, reuse=False):
+def make_backend(device, reuse=False, full=False):
+    """full: the static-attention model, attention declared capturable, so a decode step
+    whose cache and position buffers stay put replays one CUDA graph (issue 16)."""
     cuda = device.type == "cuda"
+    split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     return cgcompile.Backend(cgcompile.Config(
-        splitting_ops=["cgbench::decode_attention"], capture_sizes=(1, 8, 32, 64),
-        compiler="inductor" if cuda else "eager", capture_error_mode="thread_local", reuse_output_buffers=reuse))
+        capture_sizes=(1, 8, 32, 64), compiler="inductor" if cuda else "eager", capture_error_mode="thread_local",
+        reuse_output_buffers=reuse, **split))
 
 
 def build_llama(cfg, device, dtype):
@@ -84,13 +92,22 @@ def build_llama(cfg, device, dtype):
     return llama
 
 
-def step_seconds(fn, device, batch, args):
+def step_seconds(fn, device, batch, args, device_position=False):
     """Median seconds of one decode step fn(ids, start), timed by the shared harness (CUDA
     events around each step after untimed warm-up steps). Tensor-parallel ranks run in
-    lockstep through their all-reduces, so no barrier is needed between steps."""
+    lockstep through their all-reduces, so no barrier is needed between steps.
+    device_position: start is a [1] device tensor (made before timing), not a host int."""
     ids = torch.arange(batch, device=device) % 100
-    ms = harness.time_steps(lambda k: fn(ids, FILL + k), args.steps, args.warmup, device)
+    starts = [FILL + k for k in range(max(args.steps, args.warmup))]
+    if device_position:
+        starts = [torch.tensor([s], device=device) for s in starts]
+    ms = harness.time_steps(lambda k: fn(ids, starts[k]), args.steps, args.warmup, device)
     return statistics.median(ms) / 1e3
+
+
+def full_graph_share(backend) -> str:
+    stats = backend.stats
+    return f"{stats.full_graph_calls}/{stats.full_graph_calls + stats.piecewise_calls}"
 
 
 def tensor_parallel(llama, device, args, report):
@@ -100,13 +117,27 @@ def tensor_parallel(llama, device, args, report):
     for batch in map(int, args.batches.split(",")):
         for name, fn in (("tp2-cgcompile", compiled), ("tp2-eager", model)):
             report(name, batch, step_s=step_seconds(fn, device, batch, args))
-    del model, compiled
+    del compiled
+    torch._dynamo.reset()
+    backend = make_backend(device, full=True)
+    full = torch.compile(model, backend=backend, dynamic=False)  # one static graph per batch
+    for batch in map(int, args.batches.split(",")):
+        report("tp2-cgcompile-full", batch, step_s=step_seconds(full, device, batch, args, device_position=True),
+               full_graph_calls=full_graph_share(backend))
+    del model, full, backend
     torch._dynamo.reset()
     if dist.get_rank() == 0:
         single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
         for batch in map(int, args.batches.split(",")):
             report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
+        torch._dynamo.reset()
+        backend = make_backend(device, full=True)
+        single = torch.compile(StaticMaskDecoder(llama), backend=backend, dynamic=False)
+        for batch in map(int, args.batches.split(",")):
+            report("tp1-cgcompile-full", batch, step_s=step_seconds(single, device, batch, args, device_position=True),
+                   full_graph_calls=full_graph_share(backend))
+        del single, backend
         torch._dynamo.reset()
     dist.barrier()
 
@@ -156,28 +187,32 @@ def main():
         torch.cuda.set_device(device)
         use_length_independent_attention_kernels()
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
-    rows = []
+    rows, ok = [], False
+    try:
+        for model_name in args.models.split(","):
+            cfg = CONFIGS[model_name]
 
-    for model_name in args.models.split(","):
-        cfg = CONFIGS[model_name]
+            def report(variant, batch, **values):
+                row = {"model": model_name, "variant": variant, "batch": batch, **values}
+                rows.append(row)
+                if dist.get_rank() == 0:
+                    print(json.dumps(row), flush=True)
 
-        def report(variant, batch, **values):
-            row = {"model": model_name, "variant": variant, "batch": batch, **values}
-            rows.append(row)
-            if dist.get_rank() == 0:
-                print(json.dumps(row), flush=True)
-
-        with torch.inference_mode():
-            llama = build_llama(cfg, device, dtype)
-            tensor_parallel(llama, device, args, report)
-            llama.fill_caches(FILL)
-            pipeline(llama, cfg, device, dtype, args, report)
-            del llama
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if dist.get_rank() == 0:
-        print_ratios(rows)
-    shut_down(True)
+            with torch.inference_mode():
+                llama = build_llama(cfg, device, dtype)
+                if "pp" in args.parts:
+                    pipeline(llama, cfg, device, dtype, args, report)
+                    llama.fill_caches(FILL)
+                if "tp" in args.parts:
+                    tensor_parallel(llama, device, args, report)
+                del llama
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            print_ratios(rows)
+        ok = True
+    finally:
+        shut_down(ok)
 
 
 def print_ratios(rows):
@@ -185,12 +220,19 @@ def print_ratios(rows):
         return next((r[key] for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
 
     for model in dict.fromkeys(r["model"] for r in rows):
-        for batch in sorted({r["batch"] for r in rows if r["variant"] == "tp2-cgcompile" and r["model"] == model}):
+        for batch in sorted({r["batch"] for r in rows if r["variant"] == "tp1-cgcompile" and r["model"] == model}):
             tp2, eager, tp1 = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile", "tp2-eager", "tp1-cgcompile"))
             print(f"{model} batch {batch}: tp1-cgcompile/tp2-cgcompile {tp1 / tp2:.2f}x (target >= 1.6 at 8b batch 1), "
                   f"tp2-eager/tp2-cgcompile {eager / tp2:.2f}x (target >= 4)")
+            tp2_full, tp1_full = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile-full", "tp1-cgcompile-full"))
+            if tp2_full and tp1_full:
+                print(f"{model} batch {batch}, full graphs: tp1-cgcompile-full/tp2-cgcompile-full {tp1_full / tp2_full:.2f}x, "
+                      f"fastest TP=1 / fastest TP=2 {min(tp1, tp1_full) / min(tp2, tp2_full):.2f}x, "
+                      f"tp2-eager/tp2-cgcompile-full {eager / tp2_full:.2f}x")
         pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
         single = value(model, "tp1-cgcompile", 64, "step_s")
+        if not (pp and pp_eager):
+            continue
         single_tps = 64 / single if single else float("nan")
         print(f"{model} batch 64: pp2-cgcompile {pp:.0f} tok/s, pp2-eager {pp_eager:.0f}, single {single_tps:.0f}; "
               f"pp2-cgcompile/pp2-eager {pp / pp_eager:.2f}x (target >= 1.6), "

@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.decode_model import MODEL_CONFIGS, Llama
+from benchmarks.decode_model import MODEL_CONFIGS, Llama, static_attention
 
 
 def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
@@ -46,20 +46,24 @@ class TensorParallelLayer(nn.Module):
         cache = layer.v_cache[:, kv_heads * part: kv_heads * (part + 1)]
         self.register_buffer("v_cache", cache.clone(), persistent=False)
 
-    def forward(self, x, start: int):  # x: [T, hidden]
+    def forward(self, x, start):  # x: [T, hidden]; start: host int, or a [1] device position
         t, d = x.shape[0], self.head_dim
         q, k, v = F.linear(self.attn_norm(x), self.qkv).split(
             [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        attn = torch.ops.cgbench.decode_attention(
-            q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d),
-            self.k_cache, self.v_cache, start)
+        q, k, v = q.view(t, self.heads, d), k.view(t, self.kv_heads, d), v.view(t, self.kv_heads, d)
+        if isinstance(start, torch.Tensor):  # every shape static: a full CUDA graph may hold it
+            attn = static_attention(q, k, v, self.k_cache, self.v_cache, start)
+        else:
+            attn = torch.ops.cgbench.decode_attention(q, k, v, self.k_cache, self.v_cache, start)
         x = x + funcol.all_reduce(F.linear(attn.reshape(t, -1), self.o_proj), "sum", self.group_name)
         gate, up = F.linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + funcol.all_reduce(F.linear(F.silu(gate) * up, self.down), "sum", self.group_name)
 
 
 class TensorParallelDecoder(nn.Module):
-    """ids: [B], start: host int -> logits [B, vocab]; embedding and head replicated."""
+    """ids: [B], start -> logits [B, vocab]; embedding and head replicated. start is the
+    cache length as a host int (attention the custom op, as HostLengthDecoder) or as a
+    [1] device tensor (static attention, as StaticMaskDecoder)."""
 
     def __init__(self, llama: Llama, group=None):
         super().__init__()
@@ -68,7 +72,7 @@ class TensorParallelDecoder(nn.Module):
         self.embed, self.norm, self.lm_head = llama.embed, llama.norm, llama.lm_head
         self.layers = nn.ModuleList(TensorParallelLayer(l, part, parts, group.group_name) for l in llama.layers)
 
-    def forward(self, ids, start: int):
+    def forward(self, ids, start):
         x = self.embed(ids)
         for layer in self.layers:
             x = layer(x, start)

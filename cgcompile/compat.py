@@ -75,17 +75,39 @@ def reset_generators_after_failed_capture() -> None:
             generator.graphsafe_set_state(generator.clone_state())
 
 
+class PoolUse:
+    """One use of a CUDA graph pool, held while buffers allocated in it outside any capture
+    live. The allocator frees a pool whose uses drop to zero once its blocks are free, and
+    asserts (`use_count > 0`, torch 2.11) when a capture joins a pool that has blocks but
+    no uses: exactly the state buffers allocated before the first capture would leave."""
+
+    def __init__(self, pool, device: int):
+        self.pool, self.device, self._held = pool, device, True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            torch._C._cuda_releasePool(self.device, self.pool)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the allocator may be gone already
+            pass
+
+
 def allocate_in_pool(pool, allocate):
-    """Run `allocate()` with this thread's CUDA allocations routed to the graph pool `pool`
-    (a handle from torch.cuda.graph_pool_handle), as torch.cuda.use_mem_pool does for a
-    MemPool: the pool's use count is raised for the allocation and lowered after it."""
+    """(allocate(), PoolUse): allocate() with this thread's CUDA allocations routed to the
+    graph pool `pool` (a handle from torch.cuda.graph_pool_handle), as torch.cuda.use_mem_pool
+    does for a MemPool. The pool keeps the use this raises until the PoolUse is released or
+    collected: keep it as long as the buffers."""
     device = torch.cuda.current_device()
     torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+    use = PoolUse(pool, device)
     try:
-        return allocate()
+        return allocate(), use
     finally:
         torch._C._cuda_endAllocateToPool(device, pool)
-        torch._C._cuda_releasePool(device, pool)
 
 
 def process_group_backend(group_name: str, device_type: str) -> str | None:

@@ -111,10 +111,18 @@ def shut_down(ok: bool) -> None:
     on every rank together. A rank that exits while its peer still has NCCL work in flight,
     or without destroy_process_group (the communicators are then torn down by interpreter
     exit, in no fixed order), is what torchrun reports as a failed rank. After an error
-    (`ok` False) the barrier is skipped: the peers may never reach it."""
+    (`ok` False) the group is aborted instead: a peer may be blocked in a collective this
+    rank will never join, and destroying an NCCL group then waits for that collective;
+    the rank exits with its error and torchrun ends the peers."""
     if ok:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         dist.barrier()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None and "nccl" in str(dist.get_backend()):
+        abort()  # NCCL only (torch's note); it does not wait for the peers
+    else:
+        dist.destroy_process_group()  # gloo: its pending operations time out on their own
 

@@ -117,8 +117,9 @@ class PipelineStage:
                     for name, spec in self.receives.items()}
 
         session = getattr(backend, "session", None)
+        self._pool_use = None  # held as long as the buffers: see compat.PoolUse
         if self.device.type == "cuda" and session is not None:
-            buffers = allocate_in_pool(session.pool.handle, make)
+            buffers, self._pool_use = allocate_in_pool(session.pool.handle, make)
         else:
             buffers = make()
         for buffer in buffers.values():
