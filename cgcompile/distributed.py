@@ -109,20 +109,24 @@ def check_same_rows(culprit: str, rows: int, group=None) -> None:
 def shut_down(ok: bool) -> None:
     """End a torchrun worker cleanly: finish the GPU work, then tear the process group down
     on every rank together. A rank that exits while its peer still has NCCL work in flight,
-    or without destroy_process_group (the communicators are then torn down by interpreter
-    exit, in no fixed order), is what torchrun reports as a failed rank. After an error
-    (`ok` False) the group is aborted instead: a peer may be blocked in a collective this
-    rank will never join, and destroying an NCCL group then waits for that collective;
-    the rank exits with its error and torchrun ends the peers."""
+    or without tearing its group down (the communicators are then torn down by interpreter
+    exit, in no fixed order), is what torchrun reports as a failed rank.
+
+    NCCL groups are aborted, never destroyed: ncclCommDestroy hangs while CUDA graphs that
+    captured the communicator's collectives are alive (pytorch#115388; seen here on 2 H200s,
+    torch 2.11: the tensor-parallel example hung after printing its tokens), and cgcompile's
+    graphs live as long as the compiled model. After the barrier nothing is in flight, so the
+    abort loses nothing. After an error (`ok` False) the barrier is skipped, since a peer may
+    be blocked in a collective this rank will never join: the rank exits with its error and
+    torchrun ends the peers."""
     if ok:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         dist.barrier()
-        dist.destroy_process_group()
-        return
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and "nccl" in str(dist.get_backend()):
-        abort()  # NCCL only (torch's note); it does not wait for the peers
+        abort()  # NCCL only (torch's note); it waits for no peer and no captured graph
     else:
-        dist.destroy_process_group()  # gloo: its pending operations time out on their own
-
+        dist.destroy_process_group()  # gloo: no graphs hold it, and pending work times out
