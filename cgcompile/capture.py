@@ -69,6 +69,24 @@ def output_key(tensor: torch.Tensor, padded_shape: tuple[int, ...]) -> tuple:
     return (tensor.data_ptr(), padded_shape, tensor.stride())
 
 
+# Every session alive in this process, for `release_all_graphs`.
+_LIVE_SESSIONS: "weakref.WeakSet[CaptureSession]" = weakref.WeakSet()
+
+
+def release_all_graphs() -> int:
+    """Drop the CUDA graphs of every live session (they recapture on their next call);
+    returns how many sessions had graphs. Needed before an NCCL process group is torn
+    down: ncclCommDestroy waits while graphs that captured the communicator's collectives
+    exist (pytorch#115388)."""
+    released = 0
+    for session in list(_LIVE_SESSIONS):
+        if session.graphs_captured and torch.cuda.is_available() and torch.cuda.is_initialized():
+            session.clear()
+            released += 1
+    gc.collect()  # graphs still referenced only from cycles are destroyed now, not at exit
+    return released
+
+
 class CaptureSession:
     """Pool, capture stream, mode and the registry of live graph outputs.
 
@@ -93,6 +111,7 @@ class CaptureSession:
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        _LIVE_SESSIONS.add(self)
         # Buffers that live as long as their owner (a pipeline stage's intermediate
         # buffers), by (address, stride): a piece captured with one of them as an input
         # reads it in place, so whoever fills the buffer feeds the graph with no copy.

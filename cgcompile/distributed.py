@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .capture import release_all_graphs
 from .errors import DistributedError, expect
 
 
@@ -112,21 +113,23 @@ def shut_down(ok: bool) -> None:
     or without tearing its group down (the communicators are then torn down by interpreter
     exit, in no fixed order), is what torchrun reports as a failed rank.
 
-    NCCL groups are aborted, never destroyed: ncclCommDestroy hangs while CUDA graphs that
-    captured the communicator's collectives are alive (pytorch#115388; seen here on 2 H200s,
-    torch 2.11: the tensor-parallel example hung after printing its tokens), and cgcompile's
-    graphs live as long as the compiled model. After the barrier nothing is in flight, so the
-    abort loses nothing. After an error (`ok` False) the barrier is skipped, since a peer may
-    be blocked in a collective this rank will never join: the rank exits with its error and
-    torchrun ends the peers."""
+    Every cgcompile CUDA graph of the process is released first: ncclCommDestroy waits
+    while graphs that captured the communicator's collectives exist (pytorch#115388). On
+    2 H200s (torch 2.11) the tensor-parallel example and the benchmark printed their results
+    and then hung in teardown. After an error (`ok` False) the barrier is skipped, since a
+    peer may be blocked in a collective this rank will never join, and an NCCL group is
+    aborted rather than destroyed: the rank exits with its error and torchrun ends the peers."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        release_all_graphs()
     if ok:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
         dist.barrier()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
+        dist.destroy_process_group()
+        return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None and "nccl" in str(dist.get_backend()):
-        abort()  # NCCL only (torch's note); it waits for no peer and no captured graph
+        abort()  # NCCL only (torch's note); it waits for no peer
     else:
-        dist.destroy_process_group()  # gloo: no graphs hold it, and pending work times out
+        dist.destroy_process_group()  # gloo: pending work times out on its own
