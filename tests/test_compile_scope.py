@@ -78,3 +78,12 @@ def test_backend_of_an_explicit_backend_compile_names_the_fix():
     compiled(torch.randn(2, 8))
     with pytest.raises(ArgumentError, match="keep that object"):
         cgcompile.backend_of(compiled)
+
+
+def test_release_all_graphs_leaves_sessions_without_graphs_alone():
+    # On the CPU no session captures, so nothing is cleared (clear() would synchronise CUDA).
+    from cgcompile.capture import CaptureSession, release_all_graphs
+
+    session = CaptureSession((1, 2))
+    assert release_all_graphs() == 0
+    assert session.graphs_captured == 0

@@ -223,3 +223,23 @@ def test_a_buffer_the_piece_updates_changes_once_per_call_also_when_capturing():
         torch.testing.assert_close(compiled(x), reference(x))
         torch.testing.assert_close(model.mean, reference.mean)
     assert backend.stats.graphs_captured >= 2
+
+
+@pytest.mark.cuda
+def test_release_all_graphs_drops_every_graph_and_the_next_call_recaptures():
+    """What distributed.shut_down does before tearing NCCL down: after it no graph of the
+    session is alive (none holds its pool), and the model still answers as eager."""
+    from cgcompile.capture import release_all_graphs
+
+    model, backend, compiled = compiled_toy_llama("eager", SIZES)
+    ids = dynamic_ids(3)
+    with torch.no_grad():
+        expected = model(ids)
+        torch.testing.assert_close(compiled(ids), expected)
+        pool = tuple(backend.session.pool.handle)
+        assert pool in private_pools()
+        assert release_all_graphs() >= 1
+        assert pool not in private_pools()  # no graph holds its memory any more
+        captured = backend.session.graphs_captured
+        torch.testing.assert_close(compiled(ids), expected)
+    assert backend.session.graphs_captured > captured
