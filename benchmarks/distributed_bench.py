@@ -47,7 +47,7 @@ from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, Mo
                                      StaticMaskDecoder, use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
-from cgcompile.distributed import prepare_collectives, shut_down  # noqa: E402
+from cgcompile.distributed import prepare_collectives, torchrun_worker  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
@@ -180,15 +180,11 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
 
 def main():
     args = parse_args()
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        use_length_independent_attention_kernels()
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
-    rows, ok = [], False
-    try:
+    rows = []
+    with torchrun_worker(args.device) as device:
+        if device.type == "cuda":
+            use_length_independent_attention_kernels()
         for model_name in args.models.split(","):
             cfg = CONFIGS[model_name]
 
@@ -210,9 +206,6 @@ def main():
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             print_ratios(rows)
-        ok = True
-    finally:
-        shut_down(ok)
 
 
 def print_ratios(rows):

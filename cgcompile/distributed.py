@@ -27,6 +27,10 @@ checks here turn the mistakes they can see into errors before anything waits.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -133,3 +137,21 @@ def shut_down(ok: bool) -> None:
         abort()  # NCCL only (torch's note); it waits for no peer
     else:
         dist.destroy_process_group()  # gloo: pending work times out on its own
+
+
+@contextlib.contextmanager
+def torchrun_worker(device_type: str) -> Iterator[torch.device]:
+    """The life of one torchrun worker: start the process group (NCCL for "cuda", gloo for
+    "cpu"), yield this rank's device (cuda:LOCAL_RANK, made current), and end with
+    `shut_down`, clean when the body returned and aborting when it raised."""
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    ok = False
+    try:
+        device = torch.device("cpu")
+        if device_type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        yield device
+        ok = True
+    finally:
+        shut_down(ok)

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import StageDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.distributed import shut_down  # noqa: E402
+from cgcompile.distributed import torchrun_worker  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 FILL = 8  # cache positions filled before decoding (the "prompt")
@@ -79,25 +79,14 @@ def stage_output(rank, world):
 
 def main():
     args = parse_args()
-    backend_name = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend_name)
-    ok = False
-    try:
-        device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" \
-            else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        with torch.inference_mode():
-            tokens, backend = run_stage(args, device)
-            if dist.get_rank() == 0:
-                first_ids = torch.randint(0, MODEL_CONFIGS[args.model].vocab, (args.batch,),
-                                          generator=torch.Generator().manual_seed(1)).to(device)
-                reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids, FILL, args.tokens)
-                print(f"stage 0: {backend.stats}")
-                print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
-        ok = True
-    finally:
-        shut_down(ok)
+    with torchrun_worker(args.device) as device, torch.inference_mode():
+        tokens, backend = run_stage(args, device)
+        if dist.get_rank() == 0:
+            first_ids = torch.randint(0, MODEL_CONFIGS[args.model].vocab, (args.batch,),
+                                      generator=torch.Generator().manual_seed(1)).to(device)
+            reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids, FILL, args.tokens)
+            print(f"stage 0: {backend.stats}")
+            print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
 
 
 if __name__ == "__main__":

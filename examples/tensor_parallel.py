@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.distributed import check_same_rows, prepare_collectives, shut_down  # noqa: E402
+from cgcompile.distributed import check_same_rows, prepare_collectives, torchrun_worker  # noqa: E402
 
 FILL = 8
 
@@ -62,24 +62,14 @@ def first_ids(args, device):
 
 def main():
     args = parse_args()
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    ok = False
-    try:
-        device = torch.device("cpu")
-        if args.device == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-            torch.cuda.set_device(device)
-        with torch.inference_mode():
-            tokens, backend = decode(args, device)
-            if dist.get_rank() == 0:
-                reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids(args, device), FILL, args.tokens)
-                eager = sum(not p.capturable for p in backend.pieces)
-                collectives_eager = sum(not p.capturable and "all_reduce" in p.graph.code for p in backend.pieces)
-                print(f"rank 0: {backend.stats}; eager pieces {eager}, eager pieces with an all-reduce {collectives_eager}")
-                print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
-        ok = True
-    finally:
-        shut_down(ok)
+    with torchrun_worker(args.device) as device, torch.inference_mode():
+        tokens, backend = decode(args, device)
+        if dist.get_rank() == 0:
+            reference = greedy_reference(seeded_llama(args.model, device, FILL), first_ids(args, device), FILL, args.tokens)
+            eager = sum(not p.capturable for p in backend.pieces)
+            collectives_eager = sum(not p.capturable and "all_reduce" in p.graph.code for p in backend.pieces)
+            print(f"rank 0: {backend.stats}; eager pieces {eager}, eager pieces with an all-reduce {collectives_eager}")
+            print(f"tokens match: {torch.equal(tokens.cpu(), reference.cpu())}")
 
 
 if __name__ == "__main__":

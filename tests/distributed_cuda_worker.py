@@ -13,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
-from cgcompile.distributed import prepare_collectives, shut_down  # noqa: E402
+from cgcompile.distributed import prepare_collectives, torchrun_worker  # noqa: E402
 from cgcompile.pipeline import PipelineStage, TensorSpec, stage_layers  # noqa: E402
 
 CFG = MODEL_CONFIGS["tiny"]
@@ -69,14 +69,6 @@ def buffers_read_in_place(device):
 
 
 if __name__ == "__main__":
-    dist.init_process_group("nccl")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-    torch.cuda.set_device(device)
-    ok = False
-    try:
-        with torch.inference_mode():
-            for check in (all_reduces_captured, buffers_read_in_place):
-                print(f"rank {dist.get_rank()}: {check(device)}: ok", flush=True)
-        ok = True
-    finally:
-        shut_down(ok)
+    with torchrun_worker("cuda") as device, torch.inference_mode():
+        for check in (all_reduces_captured, buffers_read_in_place):
+            print(f"rank {dist.get_rank()}: {check(device)}: ok", flush=True)
