@@ -176,17 +176,19 @@ def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
     return prepare
 
 
-def prepare_cgcompile_static(full: bool) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile_static(full: bool, whole: bool = False) -> Callable[[Bench], Prepared]:
     """cgcompile (Inductor pieces) on the static decoder reduce-overhead runs, one static
     graph per batch as there. full: attention may be captured too, so a step whose cache
     and positions lie where they lay at capture replays one CUDA graph (the position is a
-    device tensor, copied into the graph's buffer); else attention runs between pieces."""
+    device tensor, copied into the graph's buffer); else attention runs between pieces.
+    whole: the full graph captures the whole step compiled as one (Config.full_graph_compile)."""
 
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
 
         ops = ("attention",) if full else ()
-        config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES, capturable_split_ops=ops)
+        config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES, capturable_split_ops=ops,
+                                  full_graph_compile=whole)
         backend = cgcompile.Backend(config)
         compiled = torch.compile(bench.static, backend=backend, dynamic=False)
 
@@ -348,6 +350,7 @@ VARIANTS = (
     Variant("cgcompile-inductor", prepare_cgcompile("inductor"), True),
     Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
     Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),
+    Variant("cgcompile-full-whole", prepare_cgcompile_static(full=True, whole=True), True),
     Variant("breakable", prepare_breakable, True),
     Variant("peer-breakable", prepare_peer_breakable, True),
     Variant("cgcompile-sizes", prepare_cgcompile("inductor", compile_sizes=COMPILE_SIZES), True),

@@ -48,6 +48,7 @@ from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profil
 from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
 from .full_graph import FullGraph, plain_function
+from .full_graph_code import FullGraphCode
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -108,6 +109,9 @@ class Backend:
         self._stats.graphs_captured = self.session.graphs_captured
         self._stats.specialised_compilations = self._compiler.specialised_compilations  # made at first calls
         self._stats.specialise_s = self._compiler.specialise_s
+        codes = [rt.full.code for rt in self.runtimes if rt.full is not None]
+        self._stats.full_graph_compilations = sum(c.compilations for c in codes)
+        self._stats.full_graph_compile_s = sum(c.compile_s for c in codes)
         self._stats.layout_copies = sum(
             r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
         )
@@ -255,10 +259,12 @@ class Backend:
             OutputCopy(i, _statically_contiguous(example_value(v)))
             for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
         )
-        runtime.full = FullGraph(
-            f"graph{graph_index}", plan, plain_function(runtime, self.config.cudnn_attention), self.session,
-            self._stats, copies, cudagraphs=analysis.cudagraphs,
-        )
+        name = f"graph{graph_index}"
+        pieces = plain_function(runtime, self.config.cudnn_attention)
+        whole = self.config.full_graph_compile and self.config.compiler == "inductor"
+        code = FullGraphCode(name, pieces, gm if whole else None, dict(self.config.inductor_options),
+                             self.config.cudnn_attention)
+        runtime.full = FullGraph(name, plan, code, self.session, self._stats, copies, cudagraphs=analysis.cudagraphs)
         checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
         return f"full graph per call where these match the capture: {checked or 'nothing'}"
 

@@ -60,6 +60,12 @@ class Config:
         `cgcompile.capturable_ops`). A call replays the full graph when every host value
         and every input address the split ops read equals the captured one, else it runs
         piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
+    full_graph_compile: with compiler="inductor", a full graph captures the whole Dynamo
+        graph compiled once more by Inductor at its size (fused across what are piece
+        boundaries), at the cost of one compile of the whole graph per captured size,
+        made at that size's first capture (counted in `stats.full_graph_compilations`,
+        its seconds in `stats.full_graph_compile_s`). False: it captures the pieces'
+        own code in order, with no compile beyond theirs. See `cgcompile.full_graph_code`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
@@ -97,6 +103,7 @@ class Config:
     inductor_options: tuple[tuple[str, Any], ...] = ()
     size_inductor_options: tuple[tuple[str, Any], ...] = ()
     capturable_split_ops: tuple[Any, ...] = ()
+    full_graph_compile: bool = False
 
     def __new__(cls, *args, **kwargs):
         # Runs before the dataclass's generated __init__, so a misspelt or positional
@@ -304,4 +311,5 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "inductor_options": _inductor_options,
     "size_inductor_options": _inductor_options,
     "capturable_split_ops": _ops,
+    "full_graph_compile": _bool,
 }

@@ -43,6 +43,7 @@ from .passes import FullGraphPlan
 from .runtime import OutputCopy, copy_out
 from .piece import BackendStats
 from .runtime import GraphRuntime, _StitchNamespace
+from .full_graph_code import FullGraphCode
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class _Entry:
 
     graph: torch.cuda.CUDAGraph | None
     key: tuple
+    code: Callable  # what was captured (what runs per call without CUDA graphs)
     copies: tuple[tuple[int, torch.Tensor], ...]  # (graph input, non-owning alias of its buffer)
     outputs: tuple  # non-owning aliases of the graph's outputs (non-tensors as they were)
 
@@ -60,17 +62,17 @@ class _Entry:
 class FullGraph:
     """The full path of one Dynamo graph: `run(args, n, size)` returns its outputs or None.
 
-    plain: the whole graph as one function (every piece's code in order, no graphs): what
-        is captured, and what runs on the full path without CUDA graphs (CPU).
+    code: what a full graph runs (`full_graph_code.FullGraphCode`: the pieces' code in order,
+        or the whole graph compiled as one); captured, or run per call without CUDA graphs.
     copies: how each tensor output is copied out of the graph's static buffers
         (`runtime.OutputCopy`); empty with Config.reuse_output_buffers.
     """
 
-    def __init__(self, name: str, plan: FullGraphPlan, plain: Callable, session: CaptureSession,
+    def __init__(self, name: str, plan: FullGraphPlan, code: FullGraphCode, session: CaptureSession,
                  stats: BackendStats, copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
         self.name = name
         self.plan = plan
-        self.plain = plain
+        self.code = code
         self.session = session
         self.stats = stats
         self.copies = copies
@@ -111,7 +113,7 @@ class FullGraph:
 
     def _replay(self, entry: _Entry, args: Sequence):
         if entry.graph is None:
-            return tuple(self.plain(*args))
+            return tuple(entry.code(*args))
         for i, buffer in entry.copies:
             if args[i].data_ptr() != buffer.data_ptr():
                 buffer.copy_(args[i])
@@ -119,15 +121,16 @@ class FullGraph:
         return self._hand_out(entry.outputs)
 
     def _capture(self, args: Sequence, size: int, key: tuple):
+        code = self.code.for_call(size, self.plan.symbol_values(args), args)
         if not self.cudagraphs:
-            self.graphs[size] = _Entry(None, key, (), ())
-            return tuple(self.plain(*args))
+            self.graphs[size] = _Entry(None, key, code, (), ())
+            return tuple(code(*args))
         # The real run: this call's results, and its in-place writes (a cache update) happen
         # once. Capture then records the same work without running it.
-        outputs = tuple(self.session.warm_up(self.plain, *args))
+        outputs = tuple(self.session.warm_up(code, *args))
         try:
             graph, static_args, static_outputs = self.session.capture(
-                self.name, self.plain, lambda: self._static_args(args)
+                self.name, code, lambda: self._static_args(args)
             )
         except CaptureError as error:
             self.disabled = f"capturing the full graph failed: {error}"
@@ -135,7 +138,7 @@ class FullGraph:
             return outputs
         copies = tuple((i, weak_alias(static_args[i])) for i in self.plan.copied)
         aliases = tuple(weak_alias(o) if isinstance(o, torch.Tensor) else o for o in static_outputs)
-        self.graphs[size] = _Entry(graph, key, copies, aliases)
+        self.graphs[size] = _Entry(graph, key, code, copies, aliases)
         log.info("cgcompile: %s captured a full graph of size %d", self.name, size)
         return outputs
 

@@ -70,8 +70,12 @@ class FullGraphPlan:
         return (
             [args[i].data_ptr() for i in self.by_address],
             [args[i].stride() for i in self.strides_checked],
-            [args[i] if d is None else args[i].shape[d] for i, d in self.host_values],
+            self.symbol_values(args),
         )
+
+    def symbol_values(self, args: Sequence) -> list:
+        """The call's value of every symbol besides the capture dimension."""
+        return [args[i] if d is None else args[i].shape[d] for i, d in self.host_values]
 
     def difference(self, key: tuple, captured: tuple) -> str:
         """The first input whose host-side value differs between two keys, in words."""

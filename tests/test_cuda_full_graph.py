@@ -39,14 +39,17 @@ def decode_calls(tokens_per_step: int, steps: int):
     return calls
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     torch.manual_seed(0)
     model = StaticCacheDecoder(max_len=4 + 64 * tokens).cuda().eval()
     calls = decode_calls(tokens, 64)
     expected = run_calls(copy.deepcopy(model), calls)
-    backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capturable_split_ops=("attention",)))
+    whole = compiler == "inductor-whole"  # the full graph is the whole step compiled as one
+    config = cgcompile.Config(compiler=compiler.removesuffix("-whole"), capturable_split_ops=("attention",),
+                              full_graph_compile=whole)
+    backend = cgcompile.Backend(config)
     got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
     for step, (g, e) in enumerate(zip(got, expected)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
@@ -55,6 +58,7 @@ def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     # captures the full graph and every later one replays it.
     assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 63), stats
     assert any(rt.full is not None and rt.full.graphs for rt in backend.runtimes)
+    assert stats.full_graph_compilations == (1 if whole else 0)
 
 
 def test_prefill_and_decode_full_graphs_in_any_order_on_cuda():
@@ -96,11 +100,12 @@ def test_a_changed_host_value_never_replays_the_stale_graph():
     assert backend.stats.full_graph_calls == 3
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_hf_static_cache_generate_from_full_graphs(batch):
+def test_hf_static_cache_generate_from_full_graphs(batch, whole):
     expected = generate(tiny_llama().cuda(), batch, cache_implementation="static")
     model = tiny_llama().cuda()
-    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",)))
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",), full_graph_compile=whole))
     model.forward = torch.compile(model.forward, backend=backend)
     for _ in range(2):
         torch.testing.assert_close(generate(model, batch, cache_implementation="static"), expected, rtol=0, atol=0)

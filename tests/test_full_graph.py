@@ -323,3 +323,85 @@ def test_an_input_with_a_dynamic_length_is_copied_not_checked_by_address():
     # 7, 7, 7: the second call captures, the third replays; each new length runs piecewise
     assert backend.stats.full_graph_calls == 2
     assert backend.stats.piecewise_reasons[HOST_REASON] == 2
+
+
+# -- Config.full_graph_compile: the whole Dynamo graph compiled as one for full graphs ------
+
+WHOLE = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=True)
+
+
+@torch.no_grad()
+def test_full_graph_compile_runs_the_whole_graph_compiled_once_per_size():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    eager = decode_steps(copy.deepcopy(model), 6)
+    backend = cgcompile.Backend(WHOLE)
+    got = decode_steps(torch.compile(model, backend=backend, dynamic=False), 6)
+    for step, (g, e) in enumerate(zip(got, eager)):  # the cache writes happen once per call, in both
+        torch.testing.assert_close(g, e, msg=lambda m: f"call {step}: {m}")
+    stats = backend.stats
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 5)
+    # Only the decode graph captured (the prefill ran once): one whole-graph compile.
+    assert stats.full_graph_compilations == 1 and stats.full_graph_compile_s > 0
+    full = backend.runtimes[-1].full
+    (entry,) = full.graphs.values()
+    assert entry.code is not full.code.pieces
+
+
+def _counting_compile(monkeypatch) -> list:
+    """Replace Inductor in the whole-graph compile with the graph's own FX code, counted."""
+    compiled = []
+
+    def compile_as_fx(gm, args, options):
+        compiled.append([a for a in args if not isinstance(a, torch.Tensor)])
+        return lambda *a: gm(*a)
+
+    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", compile_as_fx)
+    return compiled
+
+
+@torch.no_grad()
+def test_full_graph_compile_is_keyed_on_the_host_values_and_bounded(monkeypatch):
+    """k is a symbol: a compile at k=3 bakes 3 in, so k=4 gets its own compile; after
+    `limit` compiles, a further k captures the pieces' code (still right)."""
+    compiled = _counting_compile(monkeypatch)
+    model = HostScaled()
+    config = cgcompile.Config(compiler="inductor", capturable_split_ops=(HOST_SCALE_OP,), full_graph_compile=True)
+    backend = cgcompile.Backend(config)
+    compiled_model = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8)
+    for k in (3, 3, 4, 4, 3, 3, 5, 5, 6, 6, 7, 7):
+        torch.testing.assert_close(compiled_model(x, k), model(x, k))
+    # Each compile's int inputs end with k: 3 again reuses its compile; 7 is over the limit of 4.
+    assert [ints[-1] for ints in compiled] == [3, 4, 5, 6]
+    full = backend.runtimes[0].full
+    assert full.graphs[2].code is full.code.pieces and full.graphs[2].key[2] == [7]
+    assert backend.stats.full_graph_compilations == 4
+
+
+@torch.no_grad()
+def test_a_failed_whole_graph_compile_captures_the_pieces_code(monkeypatch, caplog):
+    def fail(gm, args, options):
+        raise RuntimeError("no lowering for this op")
+
+    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", fail)
+    caplog.set_level(logging.WARNING, logger="cgcompile")
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    eager = decode_steps(copy.deepcopy(model), 4)
+    backend = cgcompile.Backend(WHOLE)
+    got = decode_steps(torch.compile(model, backend=backend, dynamic=False), 4)
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e)
+    assert backend.stats.full_graph_calls == 3 and backend.stats.full_graph_compilations == 0
+    assert any("compiling graph1 as one graph failed (RuntimeError: no lowering for this op)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+@torch.no_grad()
+def test_full_graph_compile_is_off_with_the_eager_compiler(monkeypatch):
+    compiled = _counting_compile(monkeypatch)
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",),
+                                                 full_graph_compile=True))
+    decode_steps(torch.compile(StaticCacheDecoder().eval(), backend=backend, dynamic=False), 3)
+    assert backend.stats.full_graph_calls == 2 and compiled == []

@@ -37,9 +37,10 @@ def check_decode_graph_calls(backend) -> None:
     assert decode.calls["piecewise"] <= 2, dict(decode.calls)
 
 
-def compiled_llama():
+def compiled_llama(**fields):
     model = tiny_llama()
-    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
+    fields = {"compiler": "eager", **fields}
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",), **fields))
     model.forward = torch.compile(model.forward, backend=backend)
     return model, backend
 
@@ -54,6 +55,17 @@ def test_static_cache_decodes_from_the_full_path(batch):
     check_decode_graph_calls(backend)
     assert set(backend.stats.piecewise_reasons) <= {"first call of its size",
                                                     "a host-side input differs from the captured one"}
+
+
+def test_static_cache_decodes_from_the_whole_graph_compiled_as_one():
+    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    model, backend = compiled_llama(compiler="inductor", full_graph_compile=True)
+    for _ in range(2):
+        torch.testing.assert_close(generate(model, 2, cache_implementation="static"), expected, rtol=0, atol=0)
+    check_decode_graph_calls(backend)
+    # One compile of the decode graph; the second generate()'s new cache address recaptures
+    # the same size and symbol values, so it reuses that compile.
+    assert backend.stats.full_graph_compilations == 1
 
 
 def test_dynamic_cache_stays_piecewise():

@@ -1,0 +1,93 @@
+"""What a full graph runs: the pieces' code in order, or the whole Dynamo graph compiled as one.
+
+By default the full graph of a size captures the pieces' own compiled code, one piece
+after another: nothing is compiled beyond the pieces, but every value that crosses a
+piece boundary is written out by the piece that makes it and read back by the next, and
+nothing fuses across a boundary (the residual add and norm after attention, a cache
+write and the projection before it). With `Config.full_graph_compile`, the first capture
+of each size compiles the whole Dynamo graph once more with Inductor, at that call's
+shapes, and the full graph captures that instead.
+
+Why a compile at one call's shapes is right for every call that replays it: every shape
+in the graph is an expression of its symbols, and the full path replays a graph only
+for calls whose capture size and other symbols' values equal the captured ones (the
+plan's key). So a compile is kept per (size, symbol values), and a capture under a new
+key compiles anew; after `limit` compiles a graph's further keys capture the pieces'
+code, as does any size whose compile fails (logged, with the error).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .attention_backend import call_without_cudnn_attention
+from .compat import inductor_compile
+
+log = logging.getLogger(__name__)
+
+
+class FullGraphCode:
+    """`for_call(size, host_values, args)`: the function a full graph of that size and those
+    symbol values captures.
+
+    pieces: the pieces' code in order (`full_graph.plain_function`), used where there is
+        no whole-graph compile.
+    gm: the Dynamo graph to compile as one, or None: always the pieces' code.
+    compilations / compile_s: whole-graph compiles made and the wall seconds they took.
+    """
+
+    def __init__(self, name: str, pieces: Callable, gm: torch.fx.GraphModule | None = None,
+                 options: dict[str, Any] | None = None, cudnn_attention: bool = False, limit: int = 4):
+        # Inductor's pre-grad passes rewrite the graph they are handed; the dump and the
+        # split keep the original.
+        self.gm = None if gm is None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        self.name = name
+        self.pieces = pieces
+        self.options = dict(options or {})
+        self.cudnn_attention = cudnn_attention
+        self.limit = limit
+        self.compilations = 0
+        self.compile_s = 0.0
+        self._compiled: dict[tuple, Callable] = {}
+        self._failed: set[tuple] = set()
+
+    def for_call(self, size: int, host_values: Sequence, args: Sequence) -> Callable:
+        if self.gm is None:
+            return self.pieces
+        cache_key = (size, tuple(host_values))
+        fn = self._compiled.get(cache_key)
+        if fn is not None:
+            return fn
+        if cache_key in self._failed:
+            return self.pieces
+        if len(self._compiled) >= self.limit:
+            log.info("cgcompile: %s already has %d whole-graph compiles; size %d with symbols %s captures "
+                     "the pieces' code", self.name, self.limit, size, list(host_values))
+            return self.pieces
+        try:
+            fn = self._compile(args)
+        except Exception as error:  # Inductor raises many types; the pieces' code stays right
+            self._failed.add(cache_key)
+            log.warning("cgcompile: compiling %s as one graph failed (%s: %s); its full graph captures "
+                        "the pieces' code instead", self.name, type(error).__name__, error)
+            return self.pieces
+        self._compiled[cache_key] = fn
+        return fn
+
+    def _compile(self, args: Sequence) -> Callable:
+        t0 = time.perf_counter()
+        # SDPA picks its kernel while Inductor traces: the cuDNN switch must hold then too.
+        compile_now = lambda: inductor_compile(self.gm, list(args), self.options)  # noqa: E731
+        compiled = compile_now() if self.cudnn_attention else call_without_cudnn_attention(compile_now)
+        self.compilations += 1
+        self.compile_s += time.perf_counter() - t0
+        log.info("cgcompile: %s compiled as one graph in %.1f s", self.name, time.perf_counter() - t0)
+        if self.cudnn_attention:
+            return compiled
+        return lambda *a: call_without_cudnn_attention(compiled, *a)
+
