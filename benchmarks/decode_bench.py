@@ -17,6 +17,8 @@ never live in a CUDA graph:
                         graph per step (attention captured too), chosen per call
     cgcompile-full-whole  the same with Config(full_graph_compile=True): the full graph is the
                         whole step compiled as one by Inductor, not the pieces' code in order
+    cgcompile-full-sq   cgcompile-full-whole with Config(small_query_attention=True): decode
+                        attention compiled as reductions over the keys instead of SDPA's kernel
     breakable           cgcompile.GraphManager(use_breakable=True): breakable CUDA graphs of
                         the eager model, no compilation. Attention is an @eager_break function
                         that reads the cache length from a state object at call time.
@@ -66,7 +68,7 @@ Targets, printed and in the JSON, as ratios within one run except where said:
            sizes <= 1.25x the pool for the largest alone (the "memory" step).
   issue 16: cgcompile-full step <= 0.9x cgcompile-static at B=1 and < reduce-overhead at
            every batch (one full CUDA graph per step against pieces and against torch's own);
-           judged for cgcompile-full-whole too.
+           judged for cgcompile-full-whole and cgcompile-full-sq too.
   issue 4: breakable >= 4x faster than eager at B=1; breakable step <= 1.10x
            cgcompile-eager at every batch; breakable capture of all capture sizes < 3 s
            (an absolute wall time, for the 1b model). peer-breakable's step over
@@ -383,7 +385,7 @@ def issue16_targets(results: dict[str, VariantResult], batches, metric: str) -> 
     """Full graphs on the static decoder against cgcompile piecewise on it and reduce-overhead."""
     piecewise, ro = "cgcompile-static", "reduce-overhead"
     targets = []
-    for full in ("cgcompile-full", "cgcompile-full-whole"):
+    for full in ("cgcompile-full", "cgcompile-full-whole", "cgcompile-full-sq"):
         if full not in results and full != "cgcompile-full":
             continue
         at_1 = None

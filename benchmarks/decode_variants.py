@@ -176,19 +176,20 @@ def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
     return prepare
 
 
-def prepare_cgcompile_static(full: bool, whole: bool = False) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile_static(full: bool, whole: bool = False, small_query: bool = False) -> Callable[[Bench], Prepared]:
     """cgcompile (Inductor pieces) on the static decoder reduce-overhead runs, one static
     graph per batch as there. full: attention may be captured too, so a step whose cache
     and positions lie where they lay at capture replays one CUDA graph (the position is a
     device tensor, copied into the graph's buffer); else attention runs between pieces.
-    whole: the full graph captures the whole step compiled as one (Config.full_graph_compile)."""
+    whole: the full graph captures the whole step compiled as one (Config.full_graph_compile);
+    small_query: with attention lowered to reductions there (Config.small_query_attention)."""
 
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
 
         ops = ("attention",) if full else ()
         config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES, capturable_split_ops=ops,
-                                  full_graph_compile=whole)
+                                  full_graph_compile=whole, small_query_attention=small_query)
         backend = cgcompile.Backend(config)
         compiled = torch.compile(bench.static, backend=backend, dynamic=False)
 
@@ -351,6 +352,7 @@ VARIANTS = (
     Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
     Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),
     Variant("cgcompile-full-whole", prepare_cgcompile_static(full=True, whole=True), True),
+    Variant("cgcompile-full-sq", prepare_cgcompile_static(full=True, whole=True, small_query=True), True),
     Variant("breakable", prepare_breakable, True),
     Variant("peer-breakable", prepare_peer_breakable, True),
     Variant("cgcompile-sizes", prepare_cgcompile("inductor", compile_sizes=COMPILE_SIZES), True),

@@ -21,6 +21,8 @@ batch 1 and 8. Variants:
                     README, "Full graphs"); backend.stats counts the steps of each path
     cgcompile-static-whole  the same with Config(full_graph_compile=True): the full graph is the
                     whole decode step compiled as one by Inductor
+    cgcompile-static-sq  cgcompile-static-whole with Config(small_query_attention=True): decode
+                    attention compiled as reductions over the keys instead of SDPA's kernel
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -177,10 +179,11 @@ def setup_static(model, args) -> tuple[dict, None]:
     return {"cache_implementation": "static"}, None
 
 
-def setup_cgcompile_static(model, args, whole: bool = False) -> tuple[dict, cgcompile.Backend]:
+def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool = False) -> tuple[dict, cgcompile.Backend]:
     # A static cache and attention declared capturable: each decode step one full CUDA graph.
     # disable_compile: generate() would otherwise compile the decode step itself around ours.
-    config = cgcompile.Config(compiler=args.compiler, capturable_split_ops=("attention",), full_graph_compile=whole)
+    config = cgcompile.Config(compiler=args.compiler, capturable_split_ops=("attention",), full_graph_compile=whole,
+                              small_query_attention=small_query)
     backend = cgcompile.Backend(config)
     model.forward = torch.compile(model.forward, backend=backend)
     return {"cache_implementation": "static", "disable_compile": True}, backend
@@ -188,7 +191,8 @@ def setup_cgcompile_static(model, args, whole: bool = False) -> tuple[dict, cgco
 
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
-            "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True)}
+            "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
+            "cgcompile-static-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True)}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -389,7 +393,7 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
         result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
     if any(r.variant == "breakable" for r in rows):
         result += breakable_targets(rows, batches)
-    for full in ("cgcompile-static", "cgcompile-static-whole"):
+    for full in ("cgcompile-static", "cgcompile-static-whole", "cgcompile-static-sq"):
         if any(r.variant == full for r in rows):
             result += full_graph_targets(rows, batches, full)
     return result

@@ -263,7 +263,7 @@ class Backend:
         pieces = plain_function(runtime, self.config.cudnn_attention)
         whole = self.config.full_graph_compile and self.config.compiler == "inductor"
         code = FullGraphCode(name, pieces, gm if whole else None, dict(self.config.inductor_options),
-                             self.config.cudnn_attention)
+                             self.config.cudnn_attention, self.config.small_query_attention)
         runtime.full = FullGraph(name, plan, code, self.session, self._stats, copies, cudagraphs=analysis.cudagraphs)
         checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
         return f"full graph per call where these match the capture: {checked or 'nothing'}"

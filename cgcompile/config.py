@@ -66,6 +66,10 @@ class Config:
         made at that size's first capture (counted in `stats.full_graph_compilations`,
         its seconds in `stats.full_graph_compile_s`). False: it captures the pieces'
         own code in order, with no compile beyond theirs. See `cgcompile.full_graph_code`.
+    small_query_attention: with full_graph_compile, attention calls of at most 16 query
+        rows (decode) are compiled as float32 reductions that Inductor spreads over the
+        keys, instead of SDPA's kernels, which walk the keys with one thread block per
+        head. Needs full_graph_compile=True. See `cgcompile.passes.small_query`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
@@ -104,6 +108,7 @@ class Config:
     size_inductor_options: tuple[tuple[str, Any], ...] = ()
     capturable_split_ops: tuple[Any, ...] = ()
     full_graph_compile: bool = False
+    small_query_attention: bool = False
 
     def __new__(cls, *args, **kwargs):
         # Runs before the dataclass's generated __init__, so a misspelt or positional
@@ -121,6 +126,10 @@ class Config:
         for field in dataclasses.fields(self):
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         _check_compile_sizes(self.compile_sizes, self.capture_sizes)
+        expect(self.full_graph_compile or not self.small_query_attention, "small_query_attention",
+               "full_graph_compile=True beside it (it rewrites only whole-graph compiles)",
+               "full_graph_compile=False", "set full_graph_compile=True too, or leave small_query_attention out",
+               ConfigError, raw=True)
         self.split_ops  # validates every splitting op name now, not at the first compile
         self.capturable_ops
 
@@ -312,4 +321,5 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "size_inductor_options": _inductor_options,
     "capturable_split_ops": _ops,
     "full_graph_compile": _bool,
+    "small_query_attention": _bool,
 }

@@ -27,6 +27,7 @@ import torch
 
 from .attention_backend import call_without_cudnn_attention
 from .compat import inductor_compile
+from .passes import lower_small_query_attention
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,14 @@ class FullGraphCode:
     """
 
     def __init__(self, name: str, pieces: Callable, gm: torch.fx.GraphModule | None = None,
-                 options: dict[str, Any] | None = None, cudnn_attention: bool = False, limit: int = 4):
-        # Inductor's pre-grad passes rewrite the graph they are handed; the dump and the
-        # split keep the original.
+                 options: dict[str, Any] | None = None, cudnn_attention: bool = False,
+                 small_query_attention: bool = False, limit: int = 4):
+        # Inductor's pre-grad passes rewrite the graph they are handed (and so may we);
+        # the dump and the split keep the original.
         self.gm = None if gm is None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        if self.gm is not None and small_query_attention:
+            lowered = lower_small_query_attention(self.gm)
+            log.info("cgcompile: %s: %d attention calls of few query rows lowered to reductions", name, lowered)
         self.name = name
         self.pieces = pieces
         self.options = dict(options or {})

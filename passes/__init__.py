@@ -3,7 +3,8 @@ and prove padding safe.
 
 No CUDA and no runtime state here: every pass takes a graph and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
-(`additive_attention_mask`, `grouped_query_attention`), which run with the graph.
+(`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`), which
+run with the graph.
 Shipped as `cgcompile.passes`.
 """
 
@@ -13,6 +14,7 @@ from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards
+from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
 from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
 
@@ -31,6 +33,7 @@ __all__ = [
     "hoist_mask_conversion",
     "input_name",
     "is_floating",
+    "lower_small_query_attention",
     "plan_full_graph",
     "split_graph",
     "tensors_in",

@@ -39,16 +39,16 @@ def decode_calls(tokens_per_step: int, steps: int):
     return calls
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole", "inductor-whole-small-query"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     torch.manual_seed(0)
     model = StaticCacheDecoder(max_len=4 + 64 * tokens).cuda().eval()
     calls = decode_calls(tokens, 64)
     expected = run_calls(copy.deepcopy(model), calls)
-    whole = compiler == "inductor-whole"  # the full graph is the whole step compiled as one
-    config = cgcompile.Config(compiler=compiler.removesuffix("-whole"), capturable_split_ops=("attention",),
-                              full_graph_compile=whole)
+    whole = "-whole" in compiler  # the full graph is the whole step compiled as one
+    config = cgcompile.Config(compiler=compiler.split("-")[0], capturable_split_ops=("attention",),
+                              full_graph_compile=whole, small_query_attention=compiler.endswith("small-query"))
     backend = cgcompile.Backend(config)
     got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
     for step, (g, e) in enumerate(zip(got, expected)):

@@ -1,0 +1,103 @@
+"""Attention of a few query rows over a long cache, written as reductions Inductor can fuse.
+
+A decode step attends one token (or a few: a group of query heads that share a KV head,
+see `grouped_query`) over every cached position. SDPA's fused kernels give each (batch,
+head) one thread block that walks the whole key length, so at batch 1 a layer's attention
+runs on a handful of blocks: on a static cache of 1,024 positions it takes 43 us per layer
+on an H100 for 2 MB of keys and values, far below the bandwidth the GPU has. Written as
+two reductions (scores over the head dim, the output over the keys) and a softmax,
+Inductor spreads the work over every key position and fuses the masking and softmax.
+
+`lower_small_query_attention` rewrites such calls in a graph that Inductor compiles whole
+(`Config.small_query_attention`, for `Config.full_graph_compile`): never in pieces, where
+attention runs eagerly and the three ops would be three more launches.
+
+Precision: everything after the loads is float32, as inside SDPA's fused kernels, so
+results agree with SDPA's to rounding. A query row that every key masks out gets zeros,
+as SDPA's math path returns for such rows.
+
+Left alone: more than `max_query` query rows or a symbolic row count, dropout, causal
+calls (a few rows of a causal mask are a mask over their own positions; the model passes
+one explicitly on a cache), a scale that is not a constant, query heads that are not a
+multiple of the key heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .graph_values import example_value
+from .sdpa import SDPA_FUNCTIONS, SDPA_PARAMETERS, grouped_query_attention
+
+MAX_QUERY_ROWS = 16
+
+
+def small_query_attention(query, key, value, attn_mask=None, scale=None):
+    """SDPA of query [..., H, T, D] over key/value [..., Hk, L, D] (H a multiple of Hk, query
+    head h reading key head h // (H // Hk)) -> [..., H, T, Dv], as float32 reductions."""
+    *lead, heads, rows, head_dim = query.shape
+    key_heads, length = key.shape[-3], key.shape[-2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    # The query heads of one key head become rows: [..., Hk, G*T, D]; no key is repeated.
+    q = query.reshape(*lead, key_heads, heads // key_heads * rows, head_dim).float()
+    scores = (q.unsqueeze(-2) * key.float().unsqueeze(-3)).sum(-1) * scale  # [..., Hk, G*T, L]
+    scores = scores.view(*lead, heads, rows, length)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row: 0/0 -> zeros
+    probs = probs.view(*lead, key_heads, -1, length)  # [..., Hk, G*T, L]
+    out = (probs.unsqueeze(-1) * value.float().unsqueeze(-3)).sum(-2)  # [..., Hk, G*T, Dv]
+    return out.view(*lead, heads, rows, value.shape[-1]).to(query.dtype)
+
+
+def grouped_small_query_attention(query, key, value, attn_mask=None, scale=None):
+    """`grouped_query_attention`'s contract ([B, Hk, G, D] out, rows outer in memory) with
+    `small_query_attention` in place of SDPA."""
+    batch, heads, _, head_dim = query.shape
+    key_heads = key.shape[1]
+    out = small_query_attention(query, key, value, attn_mask, scale)  # [B, H, 1, D]
+    grouped = out.view(batch, key_heads, heads // key_heads, head_dim)
+    return grouped.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS) -> int:
+    """Rewrite SDPA calls (and `grouped_query_attention` calls) of at most `max_query`
+    static query rows; returns how many. The graph is changed in place."""
+    lowered = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in SDPA_FUNCTIONS and _lowerable(node, max_query):
+            args = dict(zip(SDPA_PARAMETERS, node.args)) | dict(node.kwargs)
+            node.target = small_query_attention
+            node.args = (args["query"], args["key"], args["value"])
+            node.kwargs = {"attn_mask": args.get("attn_mask"), "scale": args.get("scale")}
+            lowered += 1
+        elif node.target is grouped_query_attention:
+            node.target = grouped_small_query_attention
+            lowered += 1
+    if lowered:
+        gm.graph.lint()
+        gm.recompile()
+    return lowered
+
+
+def _lowerable(call: Node, max_query: int) -> bool:
+    if len(call.args) > len(SDPA_PARAMETERS) or not set(call.kwargs) <= set(SDPA_PARAMETERS):
+        return False
+    args = dict(zip(SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
+    if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or isinstance(args.get("scale"), Node):
+        return False
+    if not all(isinstance(args.get(name), Node) for name in ("query", "key", "value")):
+        return False
+    query, key = example_value(args["query"]), example_value(args["key"])
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)) or not 3 <= query.dim() == key.dim():
+        return False
+    rows, heads, key_heads = query.shape[-2], query.shape[-3], key.shape[-3]
+    if not all(type(x) is int for x in (rows, heads, key_heads)) or rows > max_query or heads % key_heads:
+        return False
+    return heads == key_heads or bool(args.get("enable_gqa", False))

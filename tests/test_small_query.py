@@ -1,0 +1,146 @@
+"""passes.small_query: attention of a few query rows as reductions, against SDPA itself."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cgcompile
+from cgcompile.errors import ConfigError
+from cgcompile.passes import lower_small_query_attention
+from cgcompile.passes.small_query import grouped_small_query_attention, small_query_attention
+from cgcompile.passes.sdpa import grouped_query_attention
+from cgcompile.testing import StaticCacheDecoder
+
+
+def repeated(x, groups):  # [B, Hk, L, D] -> [B, Hk*G, L, D], each key head G times in a row
+    return x.repeat_interleave(groups, dim=1)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_equals_sdpa_on_random_shapes_masks_and_groups(seed):
+    gen = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[torch.randint(len(options), (1,), generator=gen).item()]  # noqa: E731
+    batch, key_heads, groups, rows = pick([1, 3]), pick([1, 2, 4]), pick([1, 2, 4]), pick([1, 2, 5, 16])
+    length, head_dim = pick([1, 7, 64]), pick([8, 16])
+    heads = key_heads * groups
+    q = torch.randn(batch, heads, rows, head_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, key_heads, length, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, key_heads, length, head_dim, generator=gen, dtype=torch.float64)
+    mask = pick([None, "bool", "float"])
+    if mask == "bool":  # every row keeps at least its first key
+        mask = torch.rand(batch, 1, rows, length, generator=gen) < 0.7
+        mask[..., 0] = True
+    elif mask == "float":
+        mask = torch.randn(1, heads, rows, length, generator=gen, dtype=torch.float64)
+    scale = pick([None, 0.3])
+    expected = F.scaled_dot_product_attention(q, repeated(k, groups), repeated(v, groups), attn_mask=mask, scale=scale)
+    got = small_query_attention(q, k, v, mask, scale)
+    assert got.dtype == q.dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # float32 inside: rounding only
+
+
+def test_equals_sdpa_without_a_batch_dimension():
+    q, k, v = torch.randn(4, 3, 8), torch.randn(2, 10, 8), torch.randn(2, 10, 8)  # [H, T, D], [Hk, L, D]
+    expected = F.scaled_dot_product_attention(q, repeated(k[None], 2)[0], repeated(v[None], 2)[0])
+    torch.testing.assert_close(small_query_attention(q, k, v), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_every_key_masks_out_gives_zeros():
+    q, k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool)
+    mask[0, 0, 1] = False  # row 1 sees nothing
+    got = small_query_attention(q, k, v, mask)
+    assert torch.equal(got[:, :, 1], torch.zeros(1, 2, 8))
+    torch.testing.assert_close(got[:, :, :1], F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, :1])
+
+
+def test_bfloat16_is_as_close_to_the_exact_result_as_sdpa_is():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 1, 64, dtype=torch.bfloat16) for _ in range(3))
+    k, v = torch.randn(2, 8, 300, 64, dtype=torch.bfloat16), torch.randn(2, 8, 300, 64, dtype=torch.bfloat16)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    ours = (small_query_attention(q, k, v).double() - exact).abs().max()
+    sdpa = (F.scaled_dot_product_attention(q, k, v).double() - exact).abs().max()
+    assert ours <= 2 * sdpa + 1e-3, (ours, sdpa)
+
+
+def test_grouped_form_keeps_grouped_query_attentions_contract():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    mask = torch.rand(2, 1, 1, 9) < 0.8
+    mask[..., 0] = True
+    expected = grouped_query_attention(q, k, v, attn_mask=mask)
+    got = grouped_small_query_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got.shape == expected.shape == (2, 2, 4, 16)
+    assert got.transpose(1, 2).is_contiguous()  # rows outer in memory, as grouped_query_attention returns
+
+
+def dynamo_graph(fn, *args, **dynamo):
+    """The FX graph Dynamo captures for fn(*args)."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(fn, backend=keep, **dynamo)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def attend(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+
+
+def test_the_pass_rewrites_few_query_rows_and_leaves_prefill_alone():
+    k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 4, 32, 8)
+    mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
+    decode = torch.randn(1, 4, 1, 8)
+    gm = dynamo_graph(attend, decode, k, v, mask)
+    assert lower_small_query_attention(gm) == 1
+    torch.testing.assert_close(gm(decode, k, v, mask)[0], attend(decode, k, v, mask))
+    prefill = torch.randn(1, 4, 17, 8)  # 17 rows > 16
+    gm = dynamo_graph(attend, prefill, k, v, torch.ones(1, 1, 17, 32, dtype=torch.bool))
+    assert lower_small_query_attention(gm) == 0
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5),
+])
+def test_the_pass_leaves_causal_and_dropout_calls_alone(call):
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    assert lower_small_query_attention(dynamo_graph(call, q, k, v)) == 0
+
+
+def test_the_pass_leaves_a_symbolic_row_count_alone():
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    torch._dynamo.mark_dynamic(q, 2)
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+    assert lower_small_query_attention(gm) == 0
+
+
+def test_small_query_attention_needs_full_graph_compile():
+    with pytest.raises(ConfigError, match="small_query_attention: expected full_graph_compile=True"):
+        cgcompile.Config(small_query_attention=True)
+
+
+@torch.no_grad()
+def test_whole_graph_compile_with_small_query_attention_equals_eager():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    calls = [(torch.arange(1, 5), torch.arange(4))] + [(torch.tensor([s]), torch.tensor([4 + s])) for s in range(5)]
+    reference = copy.deepcopy(model)
+    expected = [reference(*c).clone() for c in calls]
+    config = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=True,
+                              small_query_attention=True)
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for step, (c, e) in enumerate(zip(calls, expected)):
+        torch.testing.assert_close(compiled(*c), e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
+    assert backend.stats.full_graph_calls == 4 and backend.stats.full_graph_compilations == 1
+    decode = backend.runtimes[-1].full.code
+    assert sum(n.target is small_query_attention for n in decode.gm.graph.nodes) == 2  # both layers
