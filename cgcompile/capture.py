@@ -81,6 +81,11 @@ def release_all_graphs() -> int:
     released = 0
     for session in list(_LIVE_SESSIONS):
         if session.graphs_captured and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Reset each graph itself, not only the runners' references to it: a graph kept
+            # alive elsewhere (a traceback, a user's variable) would still hold the
+            # communicator, and destroy would hang as before.
+            for graph in list(session._graphs):
+                graph.reset()
             session.clear()
             released += 1
     gc.collect()  # graphs still referenced only from cycles are destroyed now, not at exit
@@ -108,6 +113,7 @@ class CaptureSession:
         self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
+        self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -214,6 +220,7 @@ class CaptureSession:
         """
         release_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
+        self._graphs.add(graph)
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
 

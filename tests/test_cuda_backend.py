@@ -238,8 +238,11 @@ def test_release_all_graphs_drops_every_graph_and_the_next_call_recaptures():
         torch.testing.assert_close(compiled(ids), expected)
         pool = tuple(backend.session.pool.handle)
         assert pool in private_pools()
+        stray = next(iter(backend.session._graphs))  # a reference that outlives the runners'
         assert release_all_graphs() >= 1
         assert pool not in private_pools()  # no graph holds its memory any more
+        with pytest.raises(RuntimeError):
+            stray.replay()  # reset: the stray reference holds no graph (nor its communicators)
         captured = backend.session.graphs_captured
         torch.testing.assert_close(compiled(ids), expected)
     assert backend.session.graphs_captured > captured
