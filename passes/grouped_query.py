@@ -28,7 +28,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch.fx import GraphModule, Node
 
 from .graph_values import example_value
-from .sdpa import SDPA_FUNCTIONS, SDPA_PARAMETERS, grouped_query_attention
+from .sdpa import SDPA_FUNCTIONS, grouped_query_attention, sdpa_arguments
 
 _FULL = slice(None, None, None)
 
@@ -84,10 +84,8 @@ def _fold(gm: GraphModule, call: Node) -> bool:
 
 def _foldable_arguments(call: Node) -> dict | None:
     """The SDPA call's arguments by name, or None when it is not a foldable call."""
-    if len(call.args) > len(SDPA_PARAMETERS) or not set(call.kwargs) <= set(SDPA_PARAMETERS):
-        return None
-    args = dict(zip(SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
-    if not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
+    args = sdpa_arguments(call)
+    if args is None or not all(isinstance(args.get(k), Node) for k in ("query", "key", "value")):
         return None
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or args.get("enable_gqa", False):
         return None

@@ -12,6 +12,14 @@ SDPA_FUNCTIONS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_produc
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def sdpa_arguments(call) -> dict | None:
+    """An SDPA call node's arguments by parameter name, or None for a signature this
+    torch does not have (nothing to rewrite safely)."""
+    if len(call.args) > len(SDPA_PARAMETERS) or not set(call.kwargs) <= set(SDPA_PARAMETERS):
+        return None
+    return dict(zip(SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
+
+
 def grouped_query_attention(query, key, value, attn_mask=None, scale=None):
     """SDPA of a one-token query [B, Hkv*G, 1, D] over un-repeated KV heads [B, Hkv, L, D],
     with the G query heads of each KV head as G query rows; returns [B, Hkv, G, D].

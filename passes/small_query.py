@@ -28,7 +28,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_values import example_value
-from .sdpa import SDPA_FUNCTIONS, SDPA_PARAMETERS, grouped_query_attention
+from .sdpa import SDPA_FUNCTIONS, grouped_query_attention, sdpa_arguments
 
 MAX_QUERY_ROWS = 16
 
@@ -48,7 +48,9 @@ def small_query_attention(query, key, value, attn_mask=None, scale=None):
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked row: 0/0 -> zeros
+    probs = torch.softmax(scores, dim=-1)
+    if attn_mask is not None:  # a row every key masks out: zeros, not softmax's 0/0 (NaN inputs stay NaN)
+        probs = probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
     probs = probs.view(*lead, key_heads, -1, length)  # [..., Hk, G*T, L]
     out = (probs.unsqueeze(-1) * value.float().unsqueeze(-3)).sum(-2)  # [..., Hk, G*T, Dv]
     return out.view(*lead, heads, rows, value.shape[-1]).to(query.dtype)
@@ -71,8 +73,8 @@ def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in SDPA_FUNCTIONS and _lowerable(node, max_query):
-            args = dict(zip(SDPA_PARAMETERS, node.args)) | dict(node.kwargs)
+        args = sdpa_arguments(node) if node.target in SDPA_FUNCTIONS else None
+        if args is not None and _lowerable(args, max_query):
             node.target = small_query_attention
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = {"attn_mask": args.get("attn_mask"), "scale": args.get("scale")}
@@ -86,10 +88,7 @@ def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS
     return lowered
 
 
-def _lowerable(call: Node, max_query: int) -> bool:
-    if len(call.args) > len(SDPA_PARAMETERS) or not set(call.kwargs) <= set(SDPA_PARAMETERS):
-        return False
-    args = dict(zip(SDPA_PARAMETERS, call.args)) | dict(call.kwargs)
+def _lowerable(args: dict, max_query: int) -> bool:
     if args.get("dropout_p", 0.0) != 0.0 or args.get("is_causal", False) or isinstance(args.get("scale"), Node):
         return False
     if not all(isinstance(args.get(name), Node) for name in ("query", "key", "value")):

@@ -53,7 +53,14 @@ def test_a_row_every_key_masks_out_gives_zeros():
     mask[0, 0, 1] = False  # row 1 sees nothing
     got = small_query_attention(q, k, v, mask)
     assert torch.equal(got[:, :, 1], torch.zeros(1, 2, 8))
-    torch.testing.assert_close(got[:, :, :1], F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, :, :1])
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # SDPA: zeros too
+
+
+def test_a_nan_input_stays_nan():
+    q, k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    k[0, 0, 3, 0] = float("nan")
+    got = small_query_attention(q, k, v, torch.ones(1, 1, 1, 5, dtype=torch.bool))
+    assert got[0, 0].isnan().all() and not got[0, 1].isnan().any()
 
 
 def test_bfloat16_is_as_close_to_the_exact_result_as_sdpa_is():
