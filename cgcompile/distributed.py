@@ -28,7 +28,10 @@ checks here turn the mistakes they can see into errors before anything waits.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -111,7 +114,42 @@ def check_same_rows(culprit: str, rows: int, group=None) -> None:
            ", ".join(odd), "give every rank of the group the same batch", DistributedError, raw=True)
 
 
-def shut_down(ok: bool) -> None:
+# How long `shut_down` may take before the process says so and exits (see teardown_deadline).
+TEARDOWN_TIMEOUT_S = 120.0
+TEARDOWN_EXIT_STATUS = 3
+
+
+@contextlib.contextmanager
+def teardown_deadline(seconds: float, who: str) -> Iterator[None]:
+    """Bound the end of a worker: if the body has not returned after `seconds`, print what
+    hung and every thread's stack to stderr and end the process with status 3.
+
+    A hang in NCCL's teardown has no other way out (no timeout of the process group
+    covers ncclCommDestroy), and by then the worker's results are out; a silent hang
+    until an outer time limit kills the job is the one outcome that tells nobody anything.
+    """
+    def expire():
+        sys.stderr.write(
+            f"cgcompile: {who}: tearing the process group down has not finished after {seconds:g} s. "
+            f"Likely causes: a CUDA graph that captured this group's collectives is still alive "
+            f"(ncclCommDestroy waits for it, pytorch#115388; cgcompile releases its own graphs "
+            f"first, so look for other graph owners), or a peer rank never reached the final "
+            f"barrier. Every thread's stack follows; exiting with status {TEARDOWN_EXIT_STATUS}.\n"
+        )
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(TEARDOWN_EXIT_STATUS)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def shut_down(ok: bool, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     """End a torchrun worker cleanly: finish the GPU work, then tear the process group down
     on every rank together. A rank that exits while its peer still has NCCL work in flight,
     or without tearing its group down (the communicators are then torn down by interpreter
@@ -122,7 +160,14 @@ def shut_down(ok: bool) -> None:
     2 H200s (torch 2.11) the tensor-parallel example and the benchmark printed their results
     and then hung in teardown. After an error (`ok` False) the barrier is skipped, since a
     peer may be blocked in a collective this rank will never join, and an NCCL group is
-    aborted rather than destroyed: the rank exits with its error and torchrun ends the peers."""
+    aborted rather than destroyed: the rank exits with its error and torchrun ends the peers.
+    All of it runs under `teardown_deadline(timeout_s)`: a teardown that hangs all the same
+    ends the process with a message, not silently."""
+    with teardown_deadline(timeout_s, rank_name()):
+        _tear_down(ok)
+
+
+def _tear_down(ok: bool) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         release_all_graphs()

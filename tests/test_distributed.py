@@ -100,6 +100,27 @@ def test_a_registered_buffer_and_its_leading_slices_are_read_in_place():
     assert not session.is_persistent(torch.zeros(4, 3), (4, 3))
 
 
+def run_under_deadline(body: str) -> subprocess.CompletedProcess:
+    code = ("import time\nfrom cgcompile.distributed import teardown_deadline\n"
+            f"with teardown_deadline(0.5, 'rank 1'):\n    {body}\ntime.sleep(1.5)\nprint('exited normally')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+def test_a_teardown_that_hangs_ends_the_process_with_a_message():
+    result = run_under_deadline("time.sleep(30)")  # stands for a destroy_process_group that never returns
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "cgcompile: rank 1: tearing the process group down has not finished after 0.5 s" in result.stderr
+    assert "pytorch#115388" in result.stderr
+    assert "Thread" in result.stderr  # every thread's stack, to see where it hung
+    assert "exited normally" not in result.stdout
+
+
+def test_a_teardown_that_finishes_cancels_the_deadline():
+    result = run_under_deadline("pass")
+    assert result.returncode == 0 and "exited normally" in result.stdout, result.stderr[-2000:]
+    assert "tearing the process group down" not in result.stderr
+
+
 def test_without_a_process_group_the_error_says_to_initialise_one():
     with pytest.raises(DistributedError, match=r"PipelineStage: expected an initialised torch.distributed process "
                                                r"group, got none; call torch.distributed.init_process_group"):
