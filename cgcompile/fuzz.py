@@ -3,6 +3,7 @@ cgcompile and compared with eager at sizes on and off the capture sizes.
 
     python -m cgcompile.fuzz --cases 2000 --seed 0 [--compiler eager|inductor|both]
                              [--device cpu|cuda] [--padding true|none|false]
+                             [--full-graph off|pieces|whole]
 
 A case is one seed: `generate(seed)` builds a `Program` (a model written as Python
 source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles one instance
@@ -42,7 +43,7 @@ from .config import Config
 from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
 
 __all__ = [
-    "CAPTURE_SIZES", "FAILURES", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
+    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
     "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink", "source",
 ]
 
@@ -66,26 +67,46 @@ def case_sizes(seed: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+FULL_GRAPH_MODES = ("off", "pieces", "whole")
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """How a case is compiled and run: cgcompile's compiler, the device, `Config.padding`."""
+    """How a case is compiled and run: cgcompile's compiler, the device, `Config.padding`,
+    and full graphs: "off"; "pieces" (every split op declared capturable, so a call whose
+    host-side inputs repeat replays one graph of the pieces' code); "whole" (the same, the
+    full graph being the whole graph compiled as one: `Config.full_graph_compile`). With
+    full graphs each size is called `calls` times in a row: the first call of a size runs
+    piecewise, the second captures, the third replays."""
 
     compiler: str = "eager"
     device: str = "cpu"
     padding: bool | None = True
+    full_graph: str = "off"
+
+    @property
+    def calls(self) -> int:
+        return 1 if self.full_graph == "off" else 3
 
     def config_source(self) -> str:
+        full = ""
+        if self.full_graph != "off":
+            full = (f", capturable_split_ops=cgcompile.testing.FUZZ_SPLIT_OPS + ('attention',), "
+                    f"full_graph_compile={self.full_graph == 'whole'}")
         return (
             f"cgcompile.Config(compiler={self.compiler!r}, capture_sizes={CAPTURE_SIZES}, "
-            f"padding={self.padding}, splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS)"
+            f"padding={self.padding}, splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS{full})"
         )
 
     def config(self) -> Config:
         from .testing import FUZZ_SPLIT_OPS
 
-        return Config(
-            compiler=self.compiler, capture_sizes=CAPTURE_SIZES, padding=self.padding, splitting_ops=FUZZ_SPLIT_OPS
-        )
+        full = {}
+        if self.full_graph != "off":
+            full = dict(capturable_split_ops=FUZZ_SPLIT_OPS + ("attention",),
+                        full_graph_compile=self.full_graph == "whole")
+        return Config(compiler=self.compiler, capture_sizes=CAPTURE_SIZES, padding=self.padding,
+                      splitting_ops=FUZZ_SPLIT_OPS, **full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +121,7 @@ class Outcome:
     detail: str = ""
     graphs: int = 0  # Dynamo graphs the backend saw (1, plus 1 when n=1 ran)
     padded: bool = False  # some graph ran padded to the capture sizes (`Piece.sizes`)
+    full_calls: int = 0  # calls that took the full path (Setup.full_graph)
 
     @property
     def kind(self) -> str:
@@ -123,7 +145,10 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     with _grad_mode(program), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in sizes:
-            outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names)
+            for _ in range(setup.calls):
+                outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names)
+                if outcome.status != "ok":
+                    break
             if outcome.status != "ok":
                 break
     if setup.device == "cuda":
@@ -133,7 +158,8 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
         detail = f"torch.compile rejects it too: {outcome.detail}"
         outcome = dataclasses.replace(outcome, status="invalid", detail=detail)
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
-    return dataclasses.replace(outcome, graphs=backend.stats.graphs_seen, padded=padded)
+    stats = backend.stats
+    return dataclasses.replace(outcome, graphs=stats.graphs_seen, padded=padded, full_calls=stats.full_graph_calls)
 
 
 def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> Outcome:
@@ -294,7 +320,7 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
     padding = {True: "true", None: "none", False: "false"}[setup.padding]
     lines = [
         f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
-        f"--compiler {setup.compiler} --device {setup.device} --padding {padding}",
+        f"--compiler {setup.compiler} --device {setup.device} --padding {padding} --full-graph {setup.full_graph}",
         f"# productions ({program.mode}): {', '.join(program.productions)}",
     ]
     if outcome is not None and outcome.status != "ok":
@@ -306,7 +332,7 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         f"config = {setup.config_source()}",
         "compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)",
         f"with torch.{'inference_mode' if program.inference_mode else 'no_grad'}():",
-        f"    for n in {tuple(sizes)}:",
+        f"    for n in {tuple(n for n in sizes for _ in range(setup.calls))}:",
         f"        inputs = make_inputs(n, {setup.device!r})",
         "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4,",
         "                                   equal_nan=True, msg=lambda m: f'n={n}: {m}')",
@@ -341,6 +367,7 @@ class FailureClass:
 class Report:
     counts: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (compiler, status) -> cases
     padded: int = 0  # cases in which some graph ran padded
+    full_calls: int = 0  # calls that took the full path, over all cases
     recompiled: list[int] = dataclasses.field(default_factory=list)  # seeds Dynamo compiled more than expected
     classes: list[FailureClass] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -356,8 +383,8 @@ class Report:
             total = sum(by_status.values())
             detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
             lines.append(f"compiler={compiler}: {total} cases: {detail}")
-        lines.append(f"padded in {self.padded} cases; {self.failures} failures in {len(self.classes)} classes, "
-                     f"{self.seconds:.0f} s")
+        lines.append(f"padded in {self.padded} cases; {self.full_calls} calls took the full path; "
+                     f"{self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
         if self.recompiled:
             lines.append(f"more Dynamo graphs than sizes need (specialized, fewer sizes share a graph): "
                          f"seeds {self.recompiled[:20]}")
@@ -382,6 +409,7 @@ def run_campaign(
             key = (setup.compiler, outcome.status)
             report.counts[key] = report.counts.get(key, 0) + 1
             report.padded += outcome.padded
+            report.full_calls += outcome.full_calls
             if outcome.status == "ok" and outcome.graphs > 1 + (1 in sizes):
                 report.recompiled.append(seed)
             on_case(seed, setup, outcome)
@@ -417,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compiler", choices=("eager", "inductor", "both"), default="eager")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--padding", choices=("true", "none", "false"), default="true")
+    parser.add_argument("--full-graph", choices=FULL_GRAPH_MODES, default="off",
+                        help="declare every split op capturable (pieces), and compile full graphs whole (whole)")
     parser.add_argument("--shrink-budget", type=float, default=60.0, help="seconds to shrink each new class")
     parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
     args = parser.parse_args(argv)
@@ -435,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _setups(args) -> list[Setup]:
     padding = {"true": True, "none": None, "false": False}[args.padding]
     compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
-    return [Setup(c, args.device, padding) for c in compilers]
+    return [Setup(c, args.device, padding, args.full_graph) for c in compilers]
 
 
 def _print_class(cls: FailureClass) -> None:

@@ -132,13 +132,14 @@ GPU_SEEDS = range(1000)
 GPU_INDUCTOR_SEEDS = range(0, 1000, 20)
 
 
-def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str]]:
+def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int]:
     """Run the seeds; returns (failures through known bugs, one line each; shrunk
-    reproducers of every other failure)."""
-    known, new = [], []
+    reproducers of every other failure; calls that took the full path)."""
+    known, new, full_calls = [], [], 0
     for seed in seeds:
         program, sizes = fuzz.generate(seed), fuzz.case_sizes(seed)
         outcome = fuzz.run_case(program, sizes, setup)
+        full_calls += outcome.full_calls
         if outcome.status not in fuzz.FAILURES:
             continue
         bugs = [bug.what for bug in KNOWN_BUGS if bug.explains(program)]
@@ -148,12 +149,14 @@ def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str]]:
             check = functools.partial(fuzz.run_case, setup=setup)
             program, sizes, outcome = fuzz.shrink(program, sizes, outcome, check, budget_s=30)
             new.append(fuzz.reproducer(program, sizes, setup, outcome))
-    return known, new
+    return known, new, full_calls
 
 
 def _assert_only_known_bugs(seeds, setup: fuzz.Setup) -> None:
-    known, new = _fuzz(seeds, setup)
+    known, new, full_calls = _fuzz(seeds, setup)
     assert not new, f"{len(new)} failures outside KNOWN_BUGS; reproducers:\n\n" + "\n\n".join(new)
+    if setup.full_graph != "off":  # the full path ran, or the test would check nothing new
+        assert full_calls >= len(seeds), f"only {full_calls} calls took the full path"
     if known:
         pytest.xfail(f"{len(known)} of {len(seeds)} cases fail, all through KNOWN_BUGS:\n" + "\n".join(known))
 
@@ -200,13 +203,15 @@ def test_programs_trace_as_one_graph_and_agree_with_eager_unpadded():
         assert outcome.graphs == 1 + (1 in sizes), seed
 
 
-def test_reproducer_runs_standalone():
+@pytest.mark.parametrize("full_graph", ["off", "pieces"])
+def test_reproducer_runs_standalone(full_graph):
     program = fuzz.generate(3)
-    script = fuzz.reproducer(program, (5, 2), fuzz.Setup())
+    script = fuzz.reproducer(program, (5, 2), fuzz.Setup(full_graph=full_graph))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "class Model(torch.nn.Module)" in script and "torch.compile(model" in script
+    assert ("capturable_split_ops" in script) == (full_graph != "off")
 
 
 def test_shrinking_keeps_what_the_failure_needs():
@@ -259,6 +264,16 @@ def test_padded_on_cpu_eager_pieces_agree_with_eager():
 
 def test_padded_on_cpu_inductor_pieces_agree_with_eager():
     _assert_only_known_bugs(CPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cpu", padding=True))
+
+
+def test_full_graphs_on_cpu_agree_with_eager():
+    """Every split op declared capturable: calls of a capture size whose host-side inputs
+    repeat take the full path, the others run piecewise, padded or not."""
+    _assert_only_known_bugs(range(120), fuzz.Setup("eager", "cpu", padding=True, full_graph="pieces"))
+
+
+def test_whole_graph_compiles_on_cpu_agree_with_eager():
+    _assert_only_known_bugs(CPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cpu", padding=True, full_graph="whole"))
 
 
 def _compiled_matches_eager_at_a_padded_size(make: Callable[[], Callable]) -> None:
@@ -316,3 +331,13 @@ def test_cuda_graphs_eager_pieces_agree_with_eager():
 @pytest.mark.cuda
 def test_cuda_graphs_inductor_pieces_agree_with_eager():
     _assert_only_known_bugs(GPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cuda", padding=None))
+
+
+@pytest.mark.cuda
+def test_cuda_full_graphs_agree_with_eager():
+    _assert_only_known_bugs(range(0, 1000, 4), fuzz.Setup("eager", "cuda", padding=None, full_graph="pieces"))
+
+
+@pytest.mark.cuda
+def test_cuda_whole_graph_compiles_agree_with_eager():
+    _assert_only_known_bugs(range(0, 1000, 50), fuzz.Setup("inductor", "cuda", padding=None, full_graph="whole"))
