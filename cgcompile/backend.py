@@ -48,7 +48,7 @@ from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profil
 from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
 from .full_graph import FullGraph, plain_function
-from .full_graph_code import FullGraphCode
+from .full_graph_code import EagerPieceCompiles, FullGraphCode
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -102,6 +102,8 @@ class Backend:
             dict(self.config.inductor_options), dict(self.config.size_inductor_options),
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
+        # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
+        self._eager_compiles = EagerPieceCompiles(dict(self.config.inductor_options), self.config.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
 
     @property
@@ -109,7 +111,7 @@ class Backend:
         self._stats.graphs_captured = self.session.graphs_captured
         self._stats.specialised_compilations = self._compiler.specialised_compilations  # made at first calls
         self._stats.specialise_s = self._compiler.specialise_s
-        codes = [rt.full.code for rt in self.runtimes if rt.full is not None]
+        codes = [rt.full.code for rt in self.runtimes if rt.full is not None] + [self._eager_compiles]
         self._stats.full_graph_compilations = sum(c.compilations for c in codes)
         self._stats.full_graph_compile_s = sum(c.compile_s for c in codes)
         self._stats.layout_copies = sum(
@@ -260,8 +262,9 @@ class Backend:
             for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
         )
         name = f"graph{graph_index}"
-        pieces = plain_function(runtime, self.config.cudnn_attention)
         whole = self.config.full_graph_compile and self.config.compiler == "inductor"
+        eager_compiles = self._eager_compiles if self.config.small_query_attention and not whole else None
+        pieces = plain_function(runtime, self.config.cudnn_attention, eager_compiles)
         code = FullGraphCode(name, pieces, gm if whole else None, dict(self.config.inductor_options),
                              self.config.cudnn_attention, self.config.small_query_attention)
         runtime.full = FullGraph(name, plan, code, self.session, self._stats, copies, cudagraphs=analysis.cudagraphs)

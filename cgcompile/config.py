@@ -66,10 +66,13 @@ class Config:
         made at that size's first capture (counted in `stats.full_graph_compilations`,
         its seconds in `stats.full_graph_compile_s`). False: it captures the pieces'
         own code in order, with no compile beyond theirs. See `cgcompile.full_graph_code`.
-    small_query_attention: with full_graph_compile, attention calls of at most 16 query
-        rows (decode) are compiled as float32 reductions that Inductor spreads over the
-        keys, instead of SDPA's kernels, which walk the keys with one thread block per
-        head. Needs full_graph_compile=True. See `cgcompile.passes.small_query`.
+    small_query_attention: in full graphs, attention calls of at most 16 query rows
+        (decode) are compiled as float32 reductions that Inductor spreads over the keys,
+        instead of SDPA's kernels, which walk the keys with one thread block per head:
+        inside the whole-graph compile with full_graph_compile, else by compiling each
+        eager piece that holds such a call at the shapes of its capture (identical
+        layers share one compile). Piecewise calls are unchanged. Needs
+        compiler="inductor". See `cgcompile.passes.small_query`, `cgcompile.full_graph_code`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size, for at most this many sizes;
         calls of further new sizes run its pieces without graphs (logged once).
@@ -126,10 +129,9 @@ class Config:
         for field in dataclasses.fields(self):
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         _check_compile_sizes(self.compile_sizes, self.capture_sizes)
-        expect(self.full_graph_compile or not self.small_query_attention, "small_query_attention",
-               "full_graph_compile=True beside it (it rewrites only whole-graph compiles)",
-               "full_graph_compile=False", "set full_graph_compile=True too, or leave small_query_attention out",
-               ConfigError, raw=True)
+        expect(self.compiler == "inductor" or not self.small_query_attention, "small_query_attention",
+               'compiler="inductor" beside it (the lowered attention is compiled)', f"compiler={self.compiler!r}",
+               'set compiler="inductor", or leave small_query_attention out', ConfigError, raw=True)
         self.split_ops  # validates every splitting op name now, not at the first compile
         self.capturable_ops
 

@@ -42,8 +42,8 @@ from .errors import CaptureError
 from .passes import FullGraphPlan
 from .runtime import OutputCopy, copy_out
 from .piece import BackendStats
-from .runtime import GraphRuntime, _StitchNamespace
-from .full_graph_code import FullGraphCode
+from .runtime import GraphRuntime, PieceRunner, _StitchNamespace
+from .full_graph_code import EagerPieceCompiles, FullGraphCode
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +185,18 @@ class FullGraph:
             log.info(message, *args)
 
 
-def plain_function(runtime: GraphRuntime, cudnn_attention: bool) -> Callable:
+def plain_function(runtime: GraphRuntime, cudnn_attention: bool,
+                   eager_compiles: EagerPieceCompiles | None = None) -> Callable:
     """The whole graph as one function: every piece's own code in order, no graphs, no
-    padding (the full path runs only at n == size)."""
+    padding (the full path runs only at n == size). With `eager_compiles`, eager pieces
+    that hold attention of a few query rows run compiled (see `full_graph_code`)."""
     calls = {}
     for runner in runtime.runners:
         name = runner.piece_name.rsplit(".", 1)[-1]
-        calls[name] = _plain_piece(runner, runtime.step)
+        compiled = None
+        if eager_compiles is not None and type(runner) is PieceRunner and isinstance(runner.fn, torch.fx.GraphModule):
+            compiled = eager_compiles.for_piece(runner.fn)
+        calls[name] = compiled or _plain_piece(runner, runtime.step)
     namespace = _StitchNamespace(runtime.stitch, calls)
     code = type(runtime.stitch).forward
     if cudnn_attention:

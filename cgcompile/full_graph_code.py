@@ -14,6 +14,13 @@ for calls whose capture size and other symbols' values equal the captured ones (
 plan's key). So a compile is kept per (size, symbol values), and a capture under a new
 key compiles anew; after `limit` compiles a graph's further keys capture the pieces'
 code, as does any size whose compile fails (logged, with the error).
+
+`Config.small_query_attention` makes decode attention fast inside a full graph either way:
+inside the whole-graph compile, attention calls of a few query rows are lowered to
+reductions (`passes.small_query`); without it, each eager piece that holds such a call is
+compiled by Inductor, lowered, at the shapes of the call that captures it
+(`EagerPieceCompiles`): in the full graph the eager pieces are captured like the rest, so
+nothing about them has to stay eager, and identical layers share one compile.
 """
 
 from __future__ import annotations
@@ -96,3 +103,59 @@ class FullGraphCode:
             return compiled
         return lambda *a: call_without_cudnn_attention(compiled, *a)
 
+
+class EagerPieceCompiles:
+    """Compiles of eager pieces for full graphs (`Config.small_query_attention` without
+    `full_graph_compile`), one per distinct (piece code, input shapes and values), shared
+    by every Dynamo graph of a Backend.
+
+    `for_piece(gm)` returns the function a full graph calls for that eager piece: the
+    piece lowered and compiled at the shapes of its first call with them; or None when the
+    piece holds no attention to lower (it then runs as it is).
+    """
+
+    def __init__(self, options: dict[str, Any], cudnn_attention: bool, limit: int = 16):
+        self.options = dict(options)
+        self.cudnn_attention = cudnn_attention
+        self.limit = limit
+        self.compilations = 0
+        self.compile_s = 0.0
+        self._compiled: dict[tuple, Callable] = {}
+        self._failed: set[tuple] = set()
+
+    def for_piece(self, gm: torch.fx.GraphModule) -> Callable | None:
+        lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        if not lower_small_query_attention(lowered):
+            return None
+        return lambda *args: self._run(lowered, args)
+
+    def _run(self, gm: torch.fx.GraphModule, args: tuple):
+        key = (gm.code, tuple(_describe(a) for a in args))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compile(gm, args, key)
+        return fn(*args)
+
+    def _compile(self, gm: torch.fx.GraphModule, args: tuple, key: tuple) -> Callable:
+        if key in self._failed or len(self._compiled) >= self.limit:
+            return gm  # lowered, as plain FX code: still right, only slower
+        t0 = time.perf_counter()
+        compile_now = lambda: inductor_compile(gm, list(args), self.options)  # noqa: E731
+        try:
+            compiled = compile_now() if self.cudnn_attention else call_without_cudnn_attention(compile_now)
+        except Exception as error:  # Inductor raises many types; the lowered FX code stays right
+            self._failed.add(key)
+            log.warning("cgcompile: compiling an attention piece for a full graph failed (%s: %s); "
+                        "it runs as FX code", type(error).__name__, error)
+            return gm
+        self.compilations += 1
+        self.compile_s += time.perf_counter() - t0
+        self._compiled[key] = compiled
+        return compiled
+
+
+def _describe(value) -> tuple:
+    """What a compile at concrete shapes depends on: a tensor's layout, an int's value."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.device, tuple(value.shape), value.stride(), value.data_ptr() % 16 == 0)
+    return (type(value).__name__, value)

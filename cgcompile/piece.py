@@ -51,5 +51,7 @@ class BackendStats:
     full_graph_calls: int = 0
     piecewise_calls: int = 0
     piecewise_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
-    full_graph_compilations: int = 0  # whole-graph compiles for full graphs (Config.full_graph_compile)
+    # Compiles made for full graphs: whole graphs (Config.full_graph_compile), eager pieces
+    # holding attention (Config.small_query_attention).
+    full_graph_compilations: int = 0
     full_graph_compile_s: float = 0.0  # wall seconds they took

@@ -58,17 +58,19 @@ def test_static_cache_decodes_from_the_full_path(batch):
                                                     "a host-side input differs from the captured one"}
 
 
-@pytest.mark.parametrize("small_query", [False, True])
-def test_static_cache_decodes_from_the_whole_graph_compiled_as_one(small_query):
+@pytest.mark.parametrize("whole, small_query", [(True, False), (True, True), (False, True)])
+def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query):
+    """whole: the whole graph compiled as one; small_query alone: the eager attention
+    pieces compiled for the full graph, lowered (one compile shared by the layers)."""
     expected = generate(tiny_llama(), 2, cache_implementation="static")
-    model, backend = compiled_llama(compiler="inductor", full_graph_compile=True, small_query_attention=small_query)
+    model, backend = compiled_llama(compiler="inductor", full_graph_compile=whole, small_query_attention=small_query)
     for _ in range(2):
         torch.testing.assert_close(generate(model, 2, cache_implementation="static"), expected, rtol=0, atol=0)
     check_decode_graph_calls(backend)
     # One compile of the decode graph; the second generate()'s new cache address recaptures
     # the same size and symbol values, so it reuses that compile.
     assert backend.stats.full_graph_compilations == 1
-    if small_query:  # each layer's attention, folded by grouped_query, then lowered
+    if small_query and whole:  # each layer's attention, folded by grouped_query, then lowered
         lowered = [n for n in backend.runtimes[-1].full.code.gm.graph.nodes
                    if n.target is passes.small_query.grouped_small_query_attention]
         assert len(lowered) == model.config.num_hidden_layers

@@ -130,24 +130,30 @@ def test_the_pass_leaves_a_symbolic_row_count_alone():
     assert lower_small_query_attention(gm) == 0
 
 
-def test_small_query_attention_needs_full_graph_compile():
-    with pytest.raises(ConfigError, match="small_query_attention: expected full_graph_compile=True"):
-        cgcompile.Config(small_query_attention=True)
+def test_small_query_attention_needs_inductor():
+    with pytest.raises(ConfigError, match='small_query_attention: expected compiler="inductor"'):
+        cgcompile.Config(compiler="eager", small_query_attention=True)
 
 
+@pytest.mark.parametrize("whole", [True, False])
 @torch.no_grad()
-def test_whole_graph_compile_with_small_query_attention_equals_eager():
+def test_full_graphs_with_small_query_attention_equal_eager(whole):
+    """whole: lowered inside the whole-graph compile; else the eager attention pieces are
+    compiled, lowered, for the full graph: the two layers' pieces share one compile."""
     torch.manual_seed(0)
     model = StaticCacheDecoder().eval()
     calls = [(torch.arange(1, 5), torch.arange(4))] + [(torch.tensor([s]), torch.tensor([4 + s])) for s in range(5)]
     reference = copy.deepcopy(model)
     expected = [reference(*c).clone() for c in calls]
-    config = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=True,
+    config = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=whole,
                               small_query_attention=True)
     backend = cgcompile.Backend(config)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     for step, (c, e) in enumerate(zip(calls, expected)):
         torch.testing.assert_close(compiled(*c), e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
     assert backend.stats.full_graph_calls == 4 and backend.stats.full_graph_compilations == 1
-    decode = backend.runtimes[-1].full.code
-    assert sum(n.target is small_query_attention for n in decode.gm.graph.nodes) == 2  # both layers
+    if whole:
+        decode = backend.runtimes[-1].full.code
+        assert sum(n.target is small_query_attention for n in decode.gm.graph.nodes) == 2  # both layers
+    # The piecewise calls (each graph's first) ran SDPA as it was: nothing lowered there.
+    assert all(n.target is not small_query_attention for p in backend.pieces for n in p.graph.graph.nodes)
