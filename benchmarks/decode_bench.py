@@ -17,8 +17,9 @@ never live in a CUDA graph:
                         graph per step (attention captured too), chosen per call
     cgcompile-full-whole  the same with Config(full_graph_compile=True): the full graph is the
                         whole step compiled as one by Inductor, not the pieces' code in order
-    cgcompile-full-sq   cgcompile-full-whole with Config(small_query_attention=True): decode
-                        attention compiled as reductions over the keys instead of SDPA's kernel
+    cgcompile-full-sq   cgcompile-full with Config(small_query_attention=True): in the full graph
+                        the attention pieces are compiled, as reductions over the keys
+    cgcompile-full-whole-sq  cgcompile-full-whole with the same: lowered in the whole compile
     breakable           cgcompile.GraphManager(use_breakable=True): breakable CUDA graphs of
                         the eager model, no compilation. Attention is an @eager_break function
                         that reads the cache length from a state object at call time.
@@ -68,7 +69,7 @@ Targets, printed and in the JSON, as ratios within one run except where said:
            sizes <= 1.25x the pool for the largest alone (the "memory" step).
   issue 16: cgcompile-full step <= 0.9x cgcompile-static at B=1 and < reduce-overhead at
            every batch (one full CUDA graph per step against pieces and against torch's own);
-           judged for cgcompile-full-whole and cgcompile-full-sq too.
+           judged for each cgcompile-full-* variant run.
   issue 4: breakable >= 4x faster than eager at B=1; breakable step <= 1.10x
            cgcompile-eager at every batch; breakable capture of all capture sizes < 3 s
            (an absolute wall time, for the 1b model). peer-breakable's step over
@@ -385,7 +386,7 @@ def issue16_targets(results: dict[str, VariantResult], batches, metric: str) -> 
     """Full graphs on the static decoder against cgcompile piecewise on it and reduce-overhead."""
     piecewise, ro = "cgcompile-static", "reduce-overhead"
     targets = []
-    for full in ("cgcompile-full", "cgcompile-full-whole", "cgcompile-full-sq"):
+    for full in ("cgcompile-full", "cgcompile-full-whole", "cgcompile-full-sq", "cgcompile-full-whole-sq"):
         if full not in results and full != "cgcompile-full":
             continue
         at_1 = None

@@ -12,6 +12,9 @@ Variants, each on the decode model of decode_model.py with random weights:
                     the same with static attention (a device-side position, the whole
                     cache masked) declared capturable: one CUDA graph per step, the
                     all-reduces inside it (Config.capturable_split_ops)
+    tp2-cgcompile-full-sq, tp1-cgcompile-full-sq
+                    the same with that attention compiled as reductions over the keys
+                    (Config.small_query_attention; CUDA only)
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
                     (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
     pp2-eager       the same stages, eager
@@ -69,14 +72,21 @@ def parse_args():
     return args
 
 
-def make_backend(device, reuse=False, full=False):
+def make_backend(device, reuse=False, full=False, small_query=False):
     """full: the static-attention model, attention declared capturable, so a decode step
-    whose cache and position buffers stay put replays one CUDA graph (issue 16)."""
+    whose cache and position buffers stay put replays one CUDA graph (issue 16).
+    small_query: that graph's attention compiled as reductions (Config.small_query_attention)."""
     cuda = device.type == "cuda"
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     return cgcompile.Backend(cgcompile.Config(
         capture_sizes=(1, 8, 32, 64), compiler="inductor" if cuda else "eager", capture_error_mode="thread_local",
-        reuse_output_buffers=reuse, **split))
+        reuse_output_buffers=reuse, small_query_attention=small_query, **split))
+
+
+def full_variants(device) -> tuple[tuple[str, bool], ...]:
+    """(name suffix, small_query) of the full-graph variants: small_query needs Inductor,
+    which the CPU smoke run leaves out."""
+    return (("full", False), ("full-sq", True)) if device.type == "cuda" else (("full", False),)
 
 
 def build_llama(cfg, device, dtype):
@@ -119,27 +129,29 @@ def tensor_parallel(llama, device, args, report):
             report(name, batch, step_s=step_seconds(fn, device, batch, args))
     del compiled
     torch._dynamo.reset()
-    backend = make_backend(device, full=True)
-    full = torch.compile(model, backend=backend, dynamic=False)  # one static graph per batch
-    for batch in map(int, args.batches.split(",")):
-        report("tp2-cgcompile-full", batch, step_s=step_seconds(full, device, batch, args, device_position=True),
-               full_graph_calls=full_graph_share(backend))
-    del model, full, backend
-    torch._dynamo.reset()
+    for suffix, small_query in full_variants(device):
+        run_full(f"tp2-cgcompile-{suffix}", model, device, args, report, small_query)
+    del model
     if dist.get_rank() == 0:
         single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
         for batch in map(int, args.batches.split(",")):
             report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
         torch._dynamo.reset()
-        backend = make_backend(device, full=True)
-        single = torch.compile(StaticMaskDecoder(llama), backend=backend, dynamic=False)
-        for batch in map(int, args.batches.split(",")):
-            report("tp1-cgcompile-full", batch, step_s=step_seconds(single, device, batch, args, device_position=True),
-                   full_graph_calls=full_graph_share(backend))
-        del single, backend
-        torch._dynamo.reset()
+        for suffix, small_query in full_variants(device):
+            run_full(f"tp1-cgcompile-{suffix}", StaticMaskDecoder(llama), device, args, report, small_query)
     dist.barrier()
+
+
+def run_full(name, model, device, args, report, small_query):
+    """Time a full-graph variant at every batch (one static Dynamo graph per batch)."""
+    backend = make_backend(device, full=True, small_query=small_query)
+    full = torch.compile(model, backend=backend, dynamic=False)
+    for batch in map(int, args.batches.split(",")):
+        report(name, batch, step_s=step_seconds(full, device, batch, args, device_position=True),
+               full_graph_calls=full_graph_share(backend))
+    del full, backend
+    torch._dynamo.reset()
 
 
 def pipeline(llama, cfg, device, dtype, args, report, batch=64):
@@ -217,11 +229,12 @@ def print_ratios(rows):
             tp2, eager, tp1 = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile", "tp2-eager", "tp1-cgcompile"))
             print(f"{model} batch {batch}: tp1-cgcompile/tp2-cgcompile {tp1 / tp2:.2f}x (target >= 1.6 at 8b batch 1), "
                   f"tp2-eager/tp2-cgcompile {eager / tp2:.2f}x (target >= 4)")
-            tp2_full, tp1_full = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile-full", "tp1-cgcompile-full"))
-            if tp2_full and tp1_full:
-                print(f"{model} batch {batch}, full graphs: tp1-cgcompile-full/tp2-cgcompile-full {tp1_full / tp2_full:.2f}x, "
-                      f"fastest TP=1 / fastest TP=2 {min(tp1, tp1_full) / min(tp2, tp2_full):.2f}x, "
-                      f"tp2-eager/tp2-cgcompile-full {eager / tp2_full:.2f}x")
+            for suffix in ("full", "full-sq"):
+                tp2_full, tp1_full = (value(model, f"tp{k}-cgcompile-{suffix}", batch, "step_s") for k in (2, 1))
+                if tp2_full and tp1_full:
+                    print(f"{model} batch {batch}, {suffix}: tp1/tp2 {tp1_full / tp2_full:.2f}x, fastest TP=1 / "
+                          f"fastest TP=2 {min(tp1, tp1_full) / min(tp2, tp2_full):.2f}x, "
+                          f"tp2-eager/tp2-cgcompile-{suffix} {eager / tp2_full:.2f}x")
         pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
         single = value(model, "tp1-cgcompile", 64, "step_s")
         if not (pp and pp_eager):

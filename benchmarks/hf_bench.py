@@ -21,8 +21,9 @@ batch 1 and 8. Variants:
                     README, "Full graphs"); backend.stats counts the steps of each path
     cgcompile-static-whole  the same with Config(full_graph_compile=True): the full graph is the
                     whole decode step compiled as one by Inductor
-    cgcompile-static-sq  cgcompile-static-whole with Config(small_query_attention=True): decode
-                    attention compiled as reductions over the keys instead of SDPA's kernel
+    cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
+                    graph the attention pieces are compiled, as reductions over the keys
+    cgcompile-static-whole-sq  cgcompile-static-whole with the same
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -192,7 +193,8 @@ def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool =
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
-            "cgcompile-static-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True)}
+            "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),
+            "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True)}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -393,7 +395,7 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
         result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
     if any(r.variant == "breakable" for r in rows):
         result += breakable_targets(rows, batches)
-    for full in ("cgcompile-static", "cgcompile-static-whole", "cgcompile-static-sq"):
+    for full in ("cgcompile-static", "cgcompile-static-whole", "cgcompile-static-sq", "cgcompile-static-whole-sq"):
         if any(r.variant == full for r in rows):
             result += full_graph_targets(rows, batches, full)
     return result
