@@ -130,7 +130,7 @@ class EagerPieceCompiles:
         return lambda *args: self._run(lowered, args)
 
     def _run(self, gm: torch.fx.GraphModule, args: tuple):
-        key = (gm.code, tuple(_describe(a) for a in args))
+        key = (gm.code, tuple(_describe(a) for a in args), _aliasing(args))
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compile(gm, args, key)
@@ -159,3 +159,11 @@ def _describe(value) -> tuple:
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.device, tuple(value.shape), value.stride(), value.data_ptr() % 16 == 0)
     return (type(value).__name__, value)
+
+
+def _aliasing(args: tuple) -> tuple:
+    """Which tensor arguments share storage (a compile treats aliased inputs it writes
+    into differently): per argument, the first argument with the same storage."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(a.untyped_storage().data_ptr(), i) if isinstance(a, torch.Tensor) else None
+                 for i, a in enumerate(args))

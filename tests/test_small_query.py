@@ -157,3 +157,25 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole):
         assert sum(n.target is small_query_attention for n in decode.gm.graph.nodes) == 2  # both layers
     # The piecewise calls (each graph's first) ran SDPA as it was: nothing lowered there.
     assert all(n.target is not small_query_attention for p in backend.pieces for n in p.graph.graph.nodes)
+
+
+def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
+    from cgcompile.full_graph_code import EagerPieceCompiles
+
+    compiled = []
+
+    def compile_as_fx(gm, args, options):
+        compiled.append(tuple(a.shape for a in args))
+        return gm
+
+    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", compile_as_fx)
+    mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 32, 8), torch.randn(1, 4, 32, 8)
+    compiles = EagerPieceCompiles({}, cudnn_attention=True)
+    piece = compiles.for_piece(dynamo_graph(attend, q, k, v, mask))
+    assert compiles.for_piece(dynamo_graph(lambda x: x * 2, q)) is None  # no attention: runs as it is
+    for _ in range(2):  # another layer: other tensors, the same shapes
+        torch.testing.assert_close(piece(q, k.clone(), v.clone(), mask)[0], attend(q, k, v, mask))
+    piece(q, k, k, mask)  # keys and values one tensor: another compile
+    piece(torch.randn(1, 4, 2, 8), k, v, torch.ones(1, 1, 2, 32, dtype=torch.bool))  # two query rows
+    assert len(compiled) == compiles.compilations == 3
