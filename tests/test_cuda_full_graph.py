@@ -39,7 +39,8 @@ def decode_calls(tokens_per_step: int, steps: int):
     return calls
 
 
-@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole", "inductor-whole-small-query"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole", "inductor-small-query",
+                                      "inductor-whole-small-query"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     torch.manual_seed(0)
@@ -47,8 +48,9 @@ def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     calls = decode_calls(tokens, 64)
     expected = run_calls(copy.deepcopy(model), calls)
     whole = "-whole" in compiler  # the full graph is the whole step compiled as one
+    small_query = compiler.endswith("small-query")  # its attention compiled as reductions
     config = cgcompile.Config(compiler=compiler.split("-")[0], capturable_split_ops=("attention",),
-                              full_graph_compile=whole, small_query_attention=compiler.endswith("small-query"))
+                              full_graph_compile=whole, small_query_attention=small_query)
     backend = cgcompile.Backend(config)
     got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
     for step, (g, e) in enumerate(zip(got, expected)):
@@ -58,7 +60,7 @@ def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     # captures the full graph and every later one replays it.
     assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 63), stats
     assert any(rt.full is not None and rt.full.graphs for rt in backend.runtimes)
-    assert stats.full_graph_compilations == (1 if whole else 0)
+    assert stats.full_graph_compilations == (1 if whole or small_query else 0)
 
 
 def test_prefill_and_decode_full_graphs_in_any_order_on_cuda():
