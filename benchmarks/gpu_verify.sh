@@ -30,6 +30,9 @@ job pytest_rest "${PYTEST[@]}" tests --ignore=tests/test_model_zoo.py --ignore=t
   $(printf -- '--ignore=%s ' "${SHARD_HF[@]}" "${SHARD_GRAPHS[@]}")
 job fuzz_eager python3 -m cgcompile.fuzz --cases 400 --seed 1000 --device cuda --compiler eager
 job fuzz_inductor python3 -m cgcompile.fuzz --cases 40 --seed 2000 --device cuda --compiler inductor
+job fuzz_full python3 -m cgcompile.fuzz --cases 200 --seed 3000 --device cuda --padding none --full-graph pieces
+job fuzz_whole python3 -m cgcompile.fuzz --cases 20 --seed 4000 --device cuda --padding none --compiler inductor \
+  --full-graph whole
 job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \
   --models llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3,phi,phi3,stablelm
 job zoo_b python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_b.json" \
