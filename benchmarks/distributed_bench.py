@@ -19,6 +19,8 @@ Variants, each on the decode model of decode_model.py with random weights:
                     (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
     pp2-eager       the same stages, eager
     single          tp1-cgcompile's throughput at batch 64 (tokens/s = 64 / step time)
+    all-reduce      a TP step's 64 all-reduces of [batch, hidden] alone, captured in one CUDA
+                    graph: microseconds per all-reduce (what TP=2 pays that TP=1 does not)
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
 --warmup steps before timing; TP step time is the median of --steps steps, each timed
@@ -65,7 +67,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
-    p.add_argument("--parts", default="pp,tp", help="which of pp (pipeline) and tp (tensor parallel) to run")
+    p.add_argument("--parts", default="pp,tp,allreduce",
+                   help="which of pp (pipeline), tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
     args = p.parse_args()
     if args.tiny:
         args.models, args.steps, args.warmup = "tiny", 3, 2
@@ -190,6 +193,31 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
         torch._dynamo.reset()
 
 
+def all_reduce_latency(cfg, device, dtype, args, report, per_step: int = 64):
+    """What the all-reduces of one tensor-parallel decode step cost alone: `per_step` of
+    them (two per layer) on a [batch, hidden] tensor, captured in one CUDA graph as the
+    pieces hold them (eager on CPU), timed like a step; reported per all-reduce."""
+    for batch in map(int, args.batches.split(",")):
+        x = torch.ones(batch, cfg.hidden, device=device, dtype=dtype)
+        dist.all_reduce(x)  # creates the communicator outside any capture
+        step = lambda k: [dist.all_reduce(x) for _ in range(per_step)]  # noqa: E731
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step(0)  # warm-up on the side stream, as before any capture
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                step(0)
+            step = lambda k: graph.replay()  # noqa: E731
+        ms = harness.time_steps(step, args.steps, args.warmup, device)
+        report("all-reduce", batch, us_per_all_reduce=statistics.median(ms) * 1e3 / per_step)
+        if device.type == "cuda":
+            graph.reset()  # before teardown: a live graph holding NCCL work blocks it
+    dist.barrier()
+
+
 def main():
     args = parse_args()
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
@@ -213,6 +241,8 @@ def main():
                     llama.fill_caches(FILL)
                 if "tp" in args.parts:
                     tensor_parallel(llama, device, args, report)
+                if "allreduce" in args.parts:
+                    all_reduce_latency(cfg, device, dtype, args, report)
                 del llama
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -235,6 +265,9 @@ def print_ratios(rows):
                     print(f"{model} batch {batch}, {suffix}: tp1/tp2 {tp1_full / tp2_full:.2f}x, fastest TP=1 / "
                           f"fastest TP=2 {min(tp1, tp1_full) / min(tp2, tp2_full):.2f}x, "
                           f"tp2-eager/tp2-cgcompile-{suffix} {eager / tp2_full:.2f}x")
+        for batch in sorted({r["batch"] for r in rows if r["variant"] == "all-reduce" and r["model"] == model}):
+            us = value(model, "all-reduce", batch, "us_per_all_reduce")
+            print(f"{model} batch {batch}: one all-reduce {us:.1f} us; a TP step's 64 take {us * 64 / 1e3:.2f} ms")
         pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
         single = value(model, "tp1-cgcompile", 64, "step_s")
         if not (pp and pp_eager):
