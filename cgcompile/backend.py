@@ -269,7 +269,10 @@ class Backend:
                              self.config.cudnn_attention, self.config.small_query_attention)
         runtime.full = FullGraph(name, plan, code, self.session, self._stats, copies, cudagraphs=analysis.cudagraphs)
         checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
-        return f"full graph per call where these match the capture: {checked or 'nothing'}"
+        runs = "the whole graph compiled as one per size" if whole else "the pieces' code in order"
+        if self.config.small_query_attention:
+            runs += ", attention of few query rows compiled as reductions"
+        return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
 
     # -- recovery from a failed capture ------------------------------------------------------
 
