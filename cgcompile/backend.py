@@ -263,7 +263,8 @@ class Backend:
         )
         name = f"graph{graph_index}"
         whole = self.config.full_graph_compile and self.config.compiler == "inductor"
-        eager_compiles = self._eager_compiles if self.config.small_query_attention and not whole else None
+        # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
+        eager_compiles = self._eager_compiles if self.config.small_query_attention else None
         pieces = plain_function(runtime, self.config.cudnn_attention, eager_compiles)
         code = FullGraphCode(name, pieces, gm if whole else None, dict(self.config.inductor_options),
                              self.config.cudnn_attention, self.config.small_query_attention)
