@@ -105,9 +105,10 @@ class FullGraphCode:
 
 
 class EagerPieceCompiles:
-    """Compiles of eager pieces for full graphs (`Config.small_query_attention` without
-    `full_graph_compile`), one per distinct (piece code, input shapes and values), shared
-    by every Dynamo graph of a Backend.
+    """Compiles of eager pieces for full graphs that run the pieces' code
+    (`Config.small_query_attention`: without `full_graph_compile`, or where a whole-graph
+    compile failed), one per distinct (piece code, input layouts and values, aliasing),
+    shared by every Dynamo graph of a Backend.
 
     `for_piece(gm)` returns the function a full graph calls for that eager piece: the
     piece lowered and compiled at the shapes of its first call with them; or None when the
