@@ -111,9 +111,9 @@ class Backend:
         self._stats.graphs_captured = self.session.graphs_captured
         self._stats.specialised_compilations = self._compiler.specialised_compilations  # made at first calls
         self._stats.specialise_s = self._compiler.specialise_s
-        codes = [rt.full.code for rt in self.runtimes if rt.full is not None] + [self._eager_compiles]
-        self._stats.full_graph_compilations = sum(c.compilations for c in codes)
-        self._stats.full_graph_compile_s = sum(c.compile_s for c in codes)
+        caches = [rt.full.code.compiles for rt in self.runtimes if rt.full is not None] + [self._eager_compiles.compiles]
+        self._stats.full_graph_compilations = sum(c.compilations for c in caches)
+        self._stats.full_graph_compile_s = sum(c.compile_s for c in caches)
         self._stats.layout_copies = sum(
             r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
         )

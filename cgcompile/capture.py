@@ -81,12 +81,7 @@ def release_all_graphs() -> int:
     released = 0
     for session in list(_LIVE_SESSIONS):
         if session.graphs_captured and torch.cuda.is_available() and torch.cuda.is_initialized():
-            # Reset each graph itself, not only the runners' references to it: a graph kept
-            # alive elsewhere (a traceback, a user's variable) would still hold the
-            # communicator, and destroy would hang as before.
-            for graph in list(session._graphs):
-                graph.reset()
-            session.clear()
+            session.release_graphs()
             released += 1
     gc.collect()  # graphs still referenced only from cycles are destroyed now, not at exit
     return released
@@ -260,6 +255,15 @@ class CaptureSession:
                 raise CaptureError(f"capturing {name} failed: {e}") from e
             self.end_graph(graph, name)
         return graph, args, outputs
+
+    def release_graphs(self) -> None:
+        """Reset every graph begun here, then `clear`. Resetting the graphs themselves, not
+        only dropping the runners' references, matters where a graph is kept alive
+        elsewhere (a traceback, a user's variable): it would still hold its memory and any
+        communicator whose collectives it captured."""
+        for graph in list(self._graphs):
+            graph.reset()
+        self.clear()
 
     def clear(self) -> None:
         """Drop every runner's graphs, then the pool itself, and return its memory."""

@@ -26,6 +26,7 @@ nothing about them has to stay eager, and identical layers share one compile.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -39,6 +40,50 @@ from .passes import lower_small_query_attention
 log = logging.getLogger(__name__)
 
 
+class CompileCache:
+    """Inductor compiles at concrete shapes, kept by key: timed, at most `limit` of them,
+    a failure logged once and remembered. `get` returns None where there is no compile
+    (over the limit, or failed): the caller then runs its uncompiled code, still right.
+
+    compilations / compile_s: the compiles made and the wall seconds they took.
+    """
+
+    def __init__(self, options: dict[str, Any], cudnn_attention: bool, limit: int):
+        self.options = dict(options)
+        self.cudnn_attention = cudnn_attention
+        self.limit = limit
+        self.compilations = 0
+        self.compile_s = 0.0
+        self._compiled: dict[tuple, Callable] = {}
+        self._failed: set[tuple] = set()
+
+    def get(self, key: tuple, gm: torch.fx.GraphModule, args: Sequence, what: str) -> Callable | None:
+        fn = self._compiled.get(key)
+        if fn is not None or key in self._failed:
+            return fn
+        if len(self._compiled) >= self.limit:
+            self._failed.add(key)
+            log.info("cgcompile: %s already has %d compiles; this one runs uncompiled", what, self.limit)
+            return None
+        t0 = time.perf_counter()
+        # SDPA picks its kernel while Inductor traces: the cuDNN switch must hold then too.
+        compile_now = lambda: inductor_compile(gm, list(args), self.options)  # noqa: E731
+        try:
+            compiled = compile_now() if self.cudnn_attention else call_without_cudnn_attention(compile_now)
+        except Exception as error:  # Inductor raises many types; the uncompiled code stays right
+            self._failed.add(key)
+            log.warning("cgcompile: compiling %s failed (%s: %s); it runs uncompiled", what,
+                        type(error).__name__, error)
+            return None
+        self.compilations += 1
+        self.compile_s += time.perf_counter() - t0
+        log.info("cgcompile: compiled %s in %.1f s", what, time.perf_counter() - t0)
+        if not self.cudnn_attention:
+            compiled = functools.partial(call_without_cudnn_attention, compiled)
+        self._compiled[key] = compiled
+        return compiled
+
+
 class FullGraphCode:
     """`for_call(size, host_values, args)`: the function a full graph of that size and those
     symbol values captures.
@@ -46,7 +91,7 @@ class FullGraphCode:
     pieces: the pieces' code in order (`full_graph.plain_function`), used where there is
         no whole-graph compile.
     gm: the Dynamo graph to compile as one, or None: always the pieces' code.
-    compilations / compile_s: whole-graph compiles made and the wall seconds they took.
+    compiles: the whole-graph compiles, by (size, symbol values).
     """
 
     def __init__(self, name: str, pieces: Callable, gm: torch.fx.GraphModule | None = None,
@@ -60,48 +105,13 @@ class FullGraphCode:
             log.info("cgcompile: %s: %d attention calls of few query rows lowered to reductions", name, lowered)
         self.name = name
         self.pieces = pieces
-        self.options = dict(options or {})
-        self.cudnn_attention = cudnn_attention
-        self.limit = limit
-        self.compilations = 0
-        self.compile_s = 0.0
-        self._compiled: dict[tuple, Callable] = {}
-        self._failed: set[tuple] = set()
+        self.compiles = CompileCache(options or {}, cudnn_attention, limit)
 
     def for_call(self, size: int, host_values: Sequence, args: Sequence) -> Callable:
         if self.gm is None:
             return self.pieces
-        cache_key = (size, tuple(host_values))
-        fn = self._compiled.get(cache_key)
-        if fn is not None:
-            return fn
-        if cache_key in self._failed:
-            return self.pieces
-        if len(self._compiled) >= self.limit:
-            log.info("cgcompile: %s already has %d whole-graph compiles; size %d with symbols %s captures "
-                     "the pieces' code", self.name, self.limit, size, list(host_values))
-            return self.pieces
-        try:
-            fn = self._compile(args)
-        except Exception as error:  # Inductor raises many types; the pieces' code stays right
-            self._failed.add(cache_key)
-            log.warning("cgcompile: compiling %s as one graph failed (%s: %s); its full graph captures "
-                        "the pieces' code instead", self.name, type(error).__name__, error)
-            return self.pieces
-        self._compiled[cache_key] = fn
-        return fn
-
-    def _compile(self, args: Sequence) -> Callable:
-        t0 = time.perf_counter()
-        # SDPA picks its kernel while Inductor traces: the cuDNN switch must hold then too.
-        compile_now = lambda: inductor_compile(self.gm, list(args), self.options)  # noqa: E731
-        compiled = compile_now() if self.cudnn_attention else call_without_cudnn_attention(compile_now)
-        self.compilations += 1
-        self.compile_s += time.perf_counter() - t0
-        log.info("cgcompile: %s compiled as one graph in %.1f s", self.name, time.perf_counter() - t0)
-        if self.cudnn_attention:
-            return compiled
-        return lambda *a: call_without_cudnn_attention(compiled, *a)
+        fn = self.compiles.get((size, tuple(host_values)), self.gm, args, f"{self.name} as one graph")
+        return self.pieces if fn is None else fn
 
 
 class EagerPieceCompiles:
@@ -111,18 +121,13 @@ class EagerPieceCompiles:
     shared by every Dynamo graph of a Backend.
 
     `for_piece(gm)` returns the function a full graph calls for that eager piece: the
-    piece lowered and compiled at the shapes of its first call with them; or None when the
-    piece holds no attention to lower (it then runs as it is).
+    piece lowered and compiled at the shapes of its first call with them (the lowered FX
+    code where there is no compile); or None when the piece holds no attention to lower
+    (it then runs as it is).
     """
 
     def __init__(self, options: dict[str, Any], cudnn_attention: bool, limit: int = 16):
-        self.options = dict(options)
-        self.cudnn_attention = cudnn_attention
-        self.limit = limit
-        self.compilations = 0
-        self.compile_s = 0.0
-        self._compiled: dict[tuple, Callable] = {}
-        self._failed: set[tuple] = set()
+        self.compiles = CompileCache(options, cudnn_attention, limit)
 
     def for_piece(self, gm: torch.fx.GraphModule) -> Callable | None:
         lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -132,27 +137,8 @@ class EagerPieceCompiles:
 
     def _run(self, gm: torch.fx.GraphModule, args: tuple):
         key = (gm.code, tuple(_describe(a) for a in args), _aliasing(args))
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = self._compile(gm, args, key)
+        fn = self.compiles.get(key, gm, args, "an attention piece for a full graph") or gm
         return fn(*args)
-
-    def _compile(self, gm: torch.fx.GraphModule, args: tuple, key: tuple) -> Callable:
-        if key in self._failed or len(self._compiled) >= self.limit:
-            return gm  # lowered, as plain FX code: still right, only slower
-        t0 = time.perf_counter()
-        compile_now = lambda: inductor_compile(gm, list(args), self.options)  # noqa: E731
-        try:
-            compiled = compile_now() if self.cudnn_attention else call_without_cudnn_attention(compile_now)
-        except Exception as error:  # Inductor raises many types; the lowered FX code stays right
-            self._failed.add(key)
-            log.warning("cgcompile: compiling an attention piece for a full graph failed (%s: %s); "
-                        "it runs as FX code", type(error).__name__, error)
-            return gm
-        self.compilations += 1
-        self.compile_s += time.perf_counter() - t0
-        self._compiled[key] = compiled
-        return compiled
 
 
 def _describe(value) -> tuple:

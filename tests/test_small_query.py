@@ -178,4 +178,4 @@ def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
         torch.testing.assert_close(piece(q, k.clone(), v.clone(), mask)[0], attend(q, k, v, mask))
     piece(q, k, k, mask)  # keys and values one tensor: another compile
     piece(torch.randn(1, 4, 2, 8), k, v, torch.ones(1, 1, 2, 32, dtype=torch.bool))  # two query rows
-    assert len(compiled) == compiles.compilations == 3
+    assert len(compiled) == compiles.compiles.compilations == 3
