@@ -1,20 +1,23 @@
-"""Attention of a few query rows over a long cache, written as reductions Inductor can fuse.
+"""Attention of a few query rows over a long cache, as batched matmuls that fill the GPU.
 
 A decode step attends one token (or a few: a group of query heads that share a KV head,
 see `grouped_query`) over every cached position. SDPA's fused kernels give each (batch,
 head) one thread block that walks the whole key length, so at batch 1 a layer's attention
-runs on a handful of blocks: on a static cache of 1,024 positions it takes 43 us per layer
-on an H100 for 2 MB of keys and values, far below the bandwidth the GPU has. Written as
-two reductions (scores over the head dim, the output over the keys) and a softmax,
-Inductor spreads the work over every key position and fuses the masking and softmax.
+runs on a handful of blocks: on a static cache of 1,024 positions it takes 44 us per layer
+on an H100 for 2 MB of keys and values, far below the bandwidth the GPU has. Written as a
+batched matmul for the scores, a softmax and a batched matmul for the output, the two
+matmuls split the key length over the whole GPU and Inductor fuses the scaling, masking
+and softmax: 8 us for the same layer, 12 us at batch 8 against SDPA's 47
+(`benchmarks/attention_probe.py`, where a form of float32 reductions measured 18 and 61).
 
-`lower_small_query_attention` rewrites such calls in a graph that Inductor compiles whole
-(`Config.small_query_attention`, for `Config.full_graph_compile`): never in pieces, where
-attention runs eagerly and the three ops would be three more launches.
+`lower_small_query_attention` rewrites such calls in a graph that Inductor compiles
+(`Config.small_query_attention`, full graphs only): never in pieces, where attention runs
+eagerly and the three ops would be three more launches.
 
-Precision: everything after the loads is float32, as inside SDPA's fused kernels, so
-results agree with SDPA's to rounding. A query row that every key masks out gets zeros,
-as SDPA's math path returns for such rows.
+Precision: that of Hugging Face's eager attention. The matmuls accumulate in float32 but
+return the inputs' dtype, so half-precision scores are rounded once before the float32
+softmax, and the probabilities once before the second matmul. A query row that every key
+masks out gets zeros, as SDPA returns for such rows.
 
 Left alone: more than `max_query` query rows or a symbolic row count, dropout, causal
 calls (a few rows of a causal mask are a mask over their own positions; the model passes
@@ -35,13 +38,14 @@ MAX_QUERY_ROWS = 16
 
 def small_query_attention(query, key, value, attn_mask=None, scale=None):
     """SDPA of query [..., H, T, D] over key/value [..., Hk, L, D] (H a multiple of Hk, query
-    head h reading key head h // (H // Hk)) -> [..., H, T, Dv], as float32 reductions."""
+    head h reading key head h // (H // Hk)) -> [..., H, T, Dv], as two batched matmuls with
+    a float32 softmax between them."""
     *lead, heads, rows, head_dim = query.shape
     key_heads, length = key.shape[-3], key.shape[-2]
     scale = head_dim ** -0.5 if scale is None else scale
     # The query heads of one key head become rows: [..., Hk, G*T, D]; no key is repeated.
-    q = query.reshape(*lead, key_heads, heads // key_heads * rows, head_dim).float()
-    scores = (q.unsqueeze(-2) * key.float().unsqueeze(-3)).sum(-1) * scale  # [..., Hk, G*T, L]
+    q = query.reshape(*lead, key_heads, heads // key_heads * rows, head_dim)
+    scores = _at_least_float32(torch.matmul(q, key.transpose(-2, -1))) * scale  # [..., Hk, G*T, L]
     scores = scores.view(*lead, heads, rows, length)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -51,9 +55,13 @@ def small_query_attention(query, key, value, attn_mask=None, scale=None):
     probs = torch.softmax(scores, dim=-1)
     if attn_mask is not None:  # a row every key masks out: zeros, not softmax's 0/0 (NaN inputs stay NaN)
         probs = probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
-    probs = probs.view(*lead, key_heads, -1, length)  # [..., Hk, G*T, L]
-    out = (probs.unsqueeze(-1) * value.float().unsqueeze(-3)).sum(-2)  # [..., Hk, G*T, Dv]
+    probs = probs.to(value.dtype).view(*lead, key_heads, -1, length)  # [..., Hk, G*T, L]
+    out = torch.matmul(probs, value)  # [..., Hk, G*T, Dv]
     return out.view(*lead, heads, rows, value.shape[-1]).to(query.dtype)
+
+
+def _at_least_float32(x):
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def grouped_small_query_attention(query, key, value, attn_mask=None, scale=None):

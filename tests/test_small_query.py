@@ -1,4 +1,4 @@
-"""passes.small_query: attention of a few query rows as reductions, against SDPA itself."""
+"""passes.small_query: attention of a few query rows as batched matmuls, against SDPA itself."""
 
 import copy
 
