@@ -18,7 +18,7 @@ never live in a CUDA graph:
     cgcompile-full-whole  the same with Config(full_graph_compile=True): the full graph is the
                         whole step compiled as one by Inductor, not the pieces' code in order
     cgcompile-full-sq   cgcompile-full with Config(small_query_attention=True): in the full graph
-                        the attention pieces are compiled, as reductions over the keys
+                        the attention pieces are compiled, as batched matmuls over the keys
     cgcompile-full-whole-sq  cgcompile-full-whole with the same: lowered in the whole compile
     breakable           cgcompile.GraphManager(use_breakable=True): breakable CUDA graphs of
                         the eager model, no compilation. Attention is an @eager_break function

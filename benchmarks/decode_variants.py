@@ -182,7 +182,7 @@ def prepare_cgcompile_static(full: bool, whole: bool = False, small_query: bool 
     and positions lie where they lay at capture replays one CUDA graph (the position is a
     device tensor, copied into the graph's buffer); else attention runs between pieces.
     whole: the full graph captures the whole step compiled as one (Config.full_graph_compile);
-    small_query: with attention lowered to reductions there (Config.small_query_attention)."""
+    small_query: with attention lowered to batched matmuls there (Config.small_query_attention)."""
 
     def prepare(bench: Bench) -> Prepared:
         import cgcompile

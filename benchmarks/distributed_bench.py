@@ -13,7 +13,7 @@ Variants, each on the decode model of decode_model.py with random weights:
                     cache masked) declared capturable: one CUDA graph per step, the
                     all-reduces inside it (Config.capturable_split_ops)
     tp2-cgcompile-full-sq, tp1-cgcompile-full-sq
-                    the same with that attention compiled as reductions over the keys
+                    the same with that attention compiled as batched matmuls over the keys
                     (Config.small_query_attention; CUDA only)
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
                     (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
@@ -78,7 +78,7 @@ def parse_args():
 def make_backend(device, reuse=False, full=False, small_query=False):
     """full: the static-attention model, attention declared capturable, so a decode step
     whose cache and position buffers stay put replays one CUDA graph (issue 16).
-    small_query: that graph's attention compiled as reductions (Config.small_query_attention)."""
+    small_query: that graph's attention compiled as batched matmuls (Config.small_query_attention)."""
     cuda = device.type == "cuda"
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     return cgcompile.Backend(cgcompile.Config(

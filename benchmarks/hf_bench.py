@@ -22,7 +22,7 @@ batch 1 and 8. Variants:
     cgcompile-static-whole  the same with Config(full_graph_compile=True): the full graph is the
                     whole decode step compiled as one by Inductor
     cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
-                    graph the attention pieces are compiled, as reductions over the keys
+                    graph the attention pieces are compiled, as batched matmuls over the keys
     cgcompile-static-whole-sq  cgcompile-static-whole with the same
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles

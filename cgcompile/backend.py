@@ -272,7 +272,7 @@ class Backend:
         checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
         runs = "the whole graph compiled as one per size" if whole else "the pieces' code in order"
         if self.config.small_query_attention:
-            runs += ", attention of few query rows compiled as reductions"
+            runs += ", attention of few query rows compiled as batched matmuls"
         return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
 
     # -- recovery from a failed capture ------------------------------------------------------

@@ -17,7 +17,7 @@ code, as does any size whose compile fails (logged, with the error).
 
 `Config.small_query_attention` makes decode attention fast inside a full graph either way:
 inside the whole-graph compile, attention calls of a few query rows are lowered to
-reductions (`passes.small_query`); without it, each eager piece that holds such a call is
+batched matmuls (`passes.small_query`); without it, each eager piece that holds such a call is
 compiled by Inductor, lowered, at the shapes of the call that captures it
 (`EagerPieceCompiles`): in the full graph the eager pieces are captured like the rest, so
 nothing about them has to stay eager, and identical layers share one compile.
@@ -102,7 +102,7 @@ class FullGraphCode:
         self.gm = None if gm is None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if self.gm is not None and small_query_attention:
             lowered = lower_small_query_attention(self.gm)
-            log.info("cgcompile: %s: %d attention calls of few query rows lowered to reductions", name, lowered)
+            log.info("cgcompile: %s: %d attention calls of few query rows lowered to batched matmuls", name, lowered)
         self.name = name
         self.pieces = pieces
         self.compiles = CompileCache(options or {}, cudnn_attention, limit)

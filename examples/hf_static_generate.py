@@ -26,7 +26,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compiler", choices=("eager", "inductor"), default="eager")
     parser.add_argument("--small-query-attention", action="store_true",
-                        help="compile decode attention as reductions in the full graph (needs --compiler inductor)")
+                        help="compile decode attention as batched matmuls in the full graph (needs --compiler inductor)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=24)
     return parser.parse_args()

@@ -48,7 +48,7 @@ def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     calls = decode_calls(tokens, 64)
     expected = run_calls(copy.deepcopy(model), calls)
     whole = "-whole" in compiler  # the full graph is the whole step compiled as one
-    small_query = compiler.endswith("small-query")  # its attention compiled as reductions
+    small_query = compiler.endswith("small-query")  # its attention compiled as batched matmuls
     config = cgcompile.Config(compiler=compiler.split("-")[0], capturable_split_ops=("attention",),
                               full_graph_compile=whole, small_query_attention=small_query)
     backend = cgcompile.Backend(config)
