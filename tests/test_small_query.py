@@ -63,7 +63,7 @@ def test_a_nan_input_stays_nan():
     assert got[0, 0].isnan().all() and not got[0, 1].isnan().any()
 
 
-def test_bfloat16_is_as_close_to_the_exact_result_as_sdpa_is():
+def test_bfloat16_error_is_of_the_order_of_sdpas():  # rounded as Hugging Face's eager attention rounds
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 8, 1, 64, dtype=torch.bfloat16) for _ in range(3))
     k, v = torch.randn(2, 8, 300, 64, dtype=torch.bfloat16), torch.randn(2, 8, 300, 64, dtype=torch.bfloat16)
