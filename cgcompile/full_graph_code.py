@@ -75,9 +75,10 @@ class CompileCache:
             log.warning("cgcompile: compiling %s failed (%s: %s); it runs uncompiled", what,
                         type(error).__name__, error)
             return None
+        elapsed = time.perf_counter() - t0
         self.compilations += 1
-        self.compile_s += time.perf_counter() - t0
-        log.info("cgcompile: compiled %s in %.1f s", what, time.perf_counter() - t0)
+        self.compile_s += elapsed
+        log.info("cgcompile: compiled %s in %.1f s", what, elapsed)
         if not self.cudnn_attention:
             compiled = functools.partial(call_without_cudnn_attention, compiled)
         self._compiled[key] = compiled

@@ -12,7 +12,7 @@ and softmax: 8 us for the same layer, 12 us at batch 8 against SDPA's 47
 
 `lower_small_query_attention` rewrites such calls in a graph that Inductor compiles
 (`Config.small_query_attention`, full graphs only): never in pieces, where attention runs
-eagerly and the three ops would be three more launches.
+eagerly and the matmuls and softmax would be several launches in place of one.
 
 Precision: that of Hugging Face's eager attention. The matmuls accumulate in float32 but
 return the inputs' dtype, so half-precision scores are rounded once before the float32
