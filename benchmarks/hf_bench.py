@@ -24,6 +24,8 @@ batch 1 and 8. Variants:
     cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
                     graph the attention pieces are compiled, as batched matmuls over the keys
     cgcompile-static-whole-sq  cgcompile-static-whole with the same
+    cgcompile-fused, cgcompile-static-sq-fused  cgcompile and cgcompile-static-sq with
+                    Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -159,8 +161,8 @@ def setup_eager(model, args) -> tuple[dict, None]:
     return {}, None
 
 
-def setup_cgcompile(model, args) -> tuple[dict, cgcompile.Backend]:
-    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
+def setup_cgcompile(model, args, fused: bool = False) -> tuple[dict, cgcompile.Backend]:
+    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler, fuse_sibling_linears=fused))
     model.forward = torch.compile(model.forward, backend=backend)  # the one-line change
     return {}, backend
 
@@ -172,7 +174,8 @@ def setup_breakable(model, args) -> tuple[dict, cgcompile.GraphManager]:
 
 # Dynamo settings a variant runs under (torch.compiler.config.patch), and nothing else does.
 KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's optional line for transformers users
-VARIANT_COMPILER_CONFIG = {"cgcompile": {"dynamic_sources": KV_CACHE_SOURCES}}
+VARIANT_COMPILER_CONFIG = {"cgcompile": {"dynamic_sources": KV_CACHE_SOURCES},
+                           "cgcompile-fused": {"dynamic_sources": KV_CACHE_SOURCES}}
 
 
 def setup_static(model, args) -> tuple[dict, None]:
@@ -180,11 +183,12 @@ def setup_static(model, args) -> tuple[dict, None]:
     return {"cache_implementation": "static"}, None
 
 
-def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool = False) -> tuple[dict, cgcompile.Backend]:
+def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool = False,
+                           fused: bool = False) -> tuple[dict, cgcompile.Backend]:
     # A static cache and attention declared capturable: each decode step one full CUDA graph.
     # disable_compile: generate() would otherwise compile the decode step itself around ours.
     config = cgcompile.Config(compiler=args.compiler, capturable_split_ops=("attention",), full_graph_compile=whole,
-                              small_query_attention=small_query)
+                              small_query_attention=small_query, fuse_sibling_linears=fused)
     backend = cgcompile.Backend(config)
     model.forward = torch.compile(model.forward, backend=backend)
     return {"cache_implementation": "static", "disable_compile": True}, backend
@@ -194,7 +198,9 @@ VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3grap
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
             "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),
-            "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True)}
+            "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True),
+            "cgcompile-fused": functools.partial(setup_cgcompile, fused=True),
+            "cgcompile-static-sq-fused": functools.partial(setup_cgcompile_static, small_query=True, fused=True)}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -312,6 +318,7 @@ def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 6
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(80)
     folder = os.environ.get("OUT", ".")
     with open(os.path.join(folder, f"profile_hf_{name}.txt"), "w") as f:
         f.write(text.getvalue())
@@ -321,6 +328,7 @@ def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 6
     with open(os.path.join(folder, f"profile_hf_ops_{name}.txt"), "w") as f:
         f.write(f"generate(8 new tokens), {name}: ops by total host time\n")
         f.write(ops.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+    ops.export_chrome_trace(os.path.join(folder, f"trace_hf_{name}.json"))
 
 
 class StepClock:

@@ -200,6 +200,7 @@ class Options:
     encoder_sizes: tuple[int, ...] = (1, 3, 8)
     speed: bool = False
     rounds: int = 5
+    fuse_sibling_linears: bool = False  # cgcompile.Config.fuse_sibling_linears
 
     @property
     def tolerance(self) -> float:
@@ -408,7 +409,8 @@ def run_model(arch: Arch, options: Options) -> list[Row]:
             row.error = f"build: {describe(e)}"
             judge(row, options)
         return rows
-    backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES))
+    backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES,
+                                                 fuse_sibling_linears=options.fuse_sibling_linears))
     targets = compile_targets(arch, model)
     forwards = [torch.compile(m.forward, backend=backend) for m in targets]
     for row in rows:
@@ -570,6 +572,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: 1,3 for language models, 1,3,8 for encoders); "
                              "--speed --sizes 1 times batch 1 without compiling the other sizes")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--fuse-sibling-linears", action="store_true",
+                        help="compile with Config(fuse_sibling_linears=True)")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
     args = parser.parse_args(argv)
@@ -595,7 +599,8 @@ def options_from(args: argparse.Namespace) -> Options:
         chosen = {"lm_batches": sizes, "encoder_sizes": sizes}
     return Options(**chosen, device=args.device, dtype=getattr(torch, args.dtype),
                    compiler=args.compiler or ("inductor" if args.device == "cuda" else "eager"),
-                   new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds)
+                   new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds,
+                   fuse_sibling_linears=args.fuse_sibling_linears)
 
 
 def print_list() -> None:

@@ -28,6 +28,7 @@ from .passes import (
     find_capture_dim,
     find_padding_hazards,
     fold_grouped_query_attention,
+    fuse_sibling_linears,
     hoist_mask_conversion,
     input_name,
     plan_full_graph,
@@ -49,6 +50,7 @@ from .errors import CaptureError, expect
 from .capture_recovery import find_uncapturable_node, split_at_node
 from .full_graph import FullGraph, plain_function
 from .full_graph_code import EagerPieceCompiles, FullGraphCode
+from .fused_weights import FusedWeights
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -105,6 +107,7 @@ class Backend:
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
         self._eager_compiles = EagerPieceCompiles(dict(self.config.inductor_options), self.config.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
+        self._fused_copies: dict[tuple, torch.Tensor] = {}  # Config.fuse_sibling_linears, by source
 
     @property
     def stats(self) -> BackendStats:
@@ -117,11 +120,15 @@ class Backend:
         self._stats.layout_copies = sum(
             r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
         )
+        self._stats.fused_weight_refreshes = sum(rt.fused.refreshes for rt in self.runtimes if rt.fused is not None)
         return self._stats
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         graph_index = self.stats.graphs_seen
         self.stats.graphs_seen += 1
+        gm, fused = self._fuse_linears(gm, example_inputs)
+        if fused is not None:
+            example_inputs = [*example_inputs, *fused.tensors]
         analysis = self._analyse(gm, example_inputs)
         split = self._split(gm, analysis)
         sizing = self._choose_sizing(split, analysis)
@@ -131,13 +138,51 @@ class Backend:
             split.stitch, runners, self._outputs_to_clone(gm, split, runners), self.config.cudnn_attention,
             self._call_sizing(graph_index, analysis, sizing), step,
         )
+        runtime.fused = fused
         self.runtimes.append(runtime)
         self._arm_recovery(graph_index, runtime, runtime, split, analysis, sizing)
         full_plan = self._attach_full_graph(graph_index, gm, split, analysis, runtime)
         self._dump(graph_index, gm, split, analysis, full_plan)
         return runtime.__call__  # a bound method: debuggers such as depyf read its __code__
 
+    def refresh_fused_weights(self) -> None:
+        """Copy every fused weight again from its parameters at the next call of its graph
+        (after writes through `param.data`, which `Config.fuse_sibling_linears` cannot see)."""
+        for runtime in self.runtimes:
+            if runtime.fused is not None:
+                runtime.fused.invalidate()
+
     # -- steps ---------------------------------------------------------------------------
+
+    def _fuse_linears(self, gm: torch.fx.GraphModule, example_inputs: list) -> tuple[torch.fx.GraphModule, FusedWeights | None]:
+        """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
+        weights become new graph inputs, appended to every call's (see `fused_weights`)."""
+        if not self.config.fuse_sibling_linears:
+            return gm, None
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        # Inference tensors have no version counter, so a later update could not be seen.
+        params = {name: x for name, x in zip(placeholders, example_inputs)
+                  if isinstance(x, torch.nn.Parameter) and not x.is_inference()}
+        gm, fused = fuse_sibling_linears(gm, params, self._fused_copy)
+        if not fused:
+            return gm, None
+        for f in fused:
+            torch._dynamo.mark_static_address(f.tensor, guard=False)
+        weights = FusedWeights(fused, {name: i for i, name in enumerate(placeholders)}, example_inputs)
+        self.stats.fused_linears += sum(len(f.sources) for f in fused if f.kind == "weight")
+        self.stats.fused_weight_bytes = sum(t.numel() * t.element_size() for t in self._fused_copies.values())
+        log.info("cgcompile: graph %d fused %d groups of sibling linears (weight copies of the backend: %.1f MB)",
+                 self.stats.graphs_seen - 1, sum(f.kind == "weight" for f in fused), self.stats.fused_weight_bytes / 2**20)
+        return gm, weights
+
+    def _fused_copy(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """One copy per set of sources for all graphs of the model (a prefill and a decode
+        graph fuse the same weights); sources written since the last copy get a new one."""
+        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in parts)
+        if key not in self._fused_copies:
+            with torch.no_grad():
+                self._fused_copies[key] = torch.cat(parts, dim=0)
+        return self._fused_copies[key]
 
     def _analyse(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphAnalysis:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -46,6 +46,14 @@ class Config:
         `cgcompile.passes.grouped_query`): two copies of the cache per layer and step
         fewer. Results agree with eager to rounding, not bit for bit; False keeps the
         model's own attention calls.
+    fuse_sibling_linears: linear layers that read the same input with parameter weights
+        (q/k/v projections, gate and up) run as one matmul over their concatenated
+        weights (see `cgcompile.passes.sibling_linears`): at decode sizes small
+        projections run far below the GPU's bandwidth, and one larger matmul does not.
+        Costs memory: the concatenated weights are copies (`stats.fused_weight_bytes`),
+        kept equal to the parameters on every call (`cgcompile.fused_weights`; a write
+        through `param.data` is not seen: call `Backend.refresh_fused_weights()`).
+        Results agree with eager to rounding.
     capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
         "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
@@ -106,6 +114,7 @@ class Config:
     capture_error_mode: str = "global"
     cudnn_attention: bool = False
     fold_grouped_query: bool = True
+    fuse_sibling_linears: bool = False
     padding: bool | None = None
     exact_size_limit: int = 32
     compile_sizes: tuple[int, ...] = ()
@@ -318,6 +327,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "capture_error_mode": _choice("global", "thread_local", "relaxed"),
     "cudnn_attention": _bool,
     "fold_grouped_query": _bool,
+    "fuse_sibling_linears": _bool,
     "padding": _optional_bool,
     "exact_size_limit": _count("0 runs graphs that cannot be padded without CUDA graphs"),
     "compile_sizes": _compile_sizes,

@@ -117,6 +117,7 @@ class GraphRuntime:
         self.sizing = sizing
         self.step = step or StepSize()
         self.full = None  # a `full_graph.FullGraph`: one graph for the whole call, where allowed
+        self.fused = None  # a `fused_weights.FusedWeights`: inputs appended to every call
 
     def replace_runner(self, old: PieceRunner, new: Callable, new_runners: list) -> None:
         """Call `new` where `old` was called (recovery after a failed capture)."""
@@ -132,6 +133,8 @@ class GraphRuntime:
                 clear()
 
     def __call__(self, *args):
+        if self.fused is not None:
+            args = self.fused.extend(args)
         if self.sizing is not None:
             n = args[self.sizing.input_index].shape[self.sizing.dim]
             self.step.n, self.step.size = n, self.sizing.policy.size_for(n)

@@ -14,6 +14,7 @@ from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards
+from .sibling_linears import FusedInput, fuse_sibling_linears
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
 from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
@@ -21,6 +22,7 @@ from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
 __all__ = [
     "CaptureDim",
     "FullGraphPlan",
+    "FusedInput",
     "PaddingHazard",
     "PieceSpec",
     "SplitGraph",
@@ -30,6 +32,7 @@ __all__ = [
     "find_capture_dim",
     "find_padding_hazards",
     "fold_grouped_query_attention",
+    "fuse_sibling_linears",
     "hoist_mask_conversion",
     "input_name",
     "is_floating",

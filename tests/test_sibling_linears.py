@@ -1,0 +1,158 @@
+"""Config.fuse_sibling_linears: sibling linears as one matmul, and the weight copies kept fresh (CPU)."""
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.passes import fuse_sibling_linears
+
+from test_hf_generate import ARCHS, compile_and_match_eager, tiny_model
+
+
+class Projections(torch.nn.Module):
+    """q, k, v with biases and gate, up without, on one input: two groups (bias or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = torch.nn.Linear(16, 32), torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+        self.gate, self.up = torch.nn.Linear(16, 24, bias=False), torch.nn.Linear(16, 24, bias=False)
+        self.out = torch.nn.Linear(24, 16, bias=False)
+
+    def forward(self, x):  # x: [T, 16]
+        q = self.q(x).view(x.shape[0], 4, 8)  # a view the fused slice must allow
+        mixed = q.sum(-1) + self.k(x)[:, :4] * self.v(x)[:, 4:]
+        return mixed, self.out(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def compiled(model, **config):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", fuse_sibling_linears=True, **config))
+    return torch.compile(model, backend=backend), backend
+
+
+def assert_matches_eager(compiled_model, model, x):
+    for got, expected in zip(compiled_model(x), model(x)):
+        torch.testing.assert_close(got, expected)
+
+
+def test_off_by_default():
+    model = Projections()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    torch.compile(model, backend=backend)(torch.randn(3, 16))
+    assert backend.stats.fused_linears == 0 and backend.stats.fused_weight_bytes == 0
+
+
+def test_fuses_each_group_and_matches_eager():
+    torch.manual_seed(0)
+    model = Projections()
+    compiled_model, backend = compiled(model)
+    for rows in (3, 5, 1):
+        assert_matches_eager(compiled_model, model, torch.randn(rows, 16))
+    graphs = backend.stats.graphs_seen  # 3 rows, then dynamic rows, then 1 row (specialised)
+    assert backend.stats.fused_linears == 5 * graphs  # q, k, v and gate, up; not out
+    # One copy for all graphs: [48, 16] q/k/v weights, their 48 biases, [48, 16] gate/up weights, float32
+    assert backend.stats.fused_weight_bytes == (48 * 16 + 48 + 48 * 16) * 4
+    linears = [n for p in backend.pieces for n in p.graph.graph.nodes if getattr(n.target, "__name__", "") == "linear"]
+    assert len(linears) == 3 * graphs  # fused q/k/v, fused gate/up, out
+
+
+def test_parameter_updates_reach_the_fused_weights():
+    torch.manual_seed(0)
+    model = Projections()
+    compiled_model, backend = compiled(model)
+    x = torch.randn(4, 16)
+    compiled_model(x)
+    with torch.no_grad():
+        model.k.weight.mul_(2)  # in place through the parameter: its version counter moves
+    assert_matches_eager(compiled_model, model, x)
+    model.load_state_dict({name: torch.randn_like(p) for name, p in model.state_dict().items()})
+    assert_matches_eager(compiled_model, model, x)
+    model.v.bias.data = torch.randn(8)  # a new tensor: its address moves
+    assert_matches_eager(compiled_model, model, x)
+    assert backend.stats.fused_weight_refreshes == 3
+
+
+def test_a_write_through_data_needs_a_refresh():
+    """The documented blind spot: `param.data` has its own version counter."""
+    torch.manual_seed(0)
+    model = Projections()
+    compiled_model, backend = compiled(model)
+    x = torch.randn(4, 16)
+    compiled_model(x)
+    model.q.weight.data.mul_(3)
+    stale, expected = compiled_model(x)[0], model(x)[0]
+    assert not torch.allclose(stale, expected)
+    backend.refresh_fused_weights()
+    assert_matches_eager(compiled_model, model, x)
+
+
+def test_computed_weights_and_mixed_dtypes_are_left_alone():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).double()
+            self.c = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            scaled = torch.nn.functional.linear(x, self.c.weight * 2)  # a weight computed in the graph
+            return self.a(x) + self.b(x.double()).float() + scaled
+
+    model = Odd()
+    compiled_model, backend = compiled(model)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(compiled_model(x), model(x))
+    assert backend.stats.fused_linears == 0
+
+
+def test_the_dynamo_graph_keeps_its_placeholders():
+    """Dynamo reads its graph's placeholders after the backend returns: the pass copies."""
+    model = Projections()
+    seen = {}
+
+    def backend(gm, example_inputs):
+        before = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        params = {n.name: x for n, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs)
+                  if isinstance(x, torch.nn.Parameter)}
+        fused_gm, added = fuse_sibling_linears(gm, params)
+        seen["added"] = [f.name for f in added]
+        seen["kept"] = before == [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        seen["new"] = [n.name for n in fused_gm.graph.nodes if n.op == "placeholder"][len(before):]
+        return gm.forward
+
+    torch.compile(model, backend=backend)(torch.randn(2, 16))
+    assert seen["kept"] and seen["new"] == seen["added"] == ["fused_weight_0", "fused_bias_1", "fused_weight_2"]
+
+
+def sibling_bytes(model) -> int:
+    """Bytes of every q/k/v and gate/up projection of a Llama-like model (their copies)."""
+    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if name.split(".")[-2] in names)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_generate_with_fused_linears(arch):
+    """Greedy tokens equal eager's (three Dynamo graphs: see test_hf_generate.py); the
+    graphs share one copy of each fused weight."""
+    model = tiny_model(arch)
+    backend = compile_and_match_eager(model, 2, fuse_sibling_linears=True)
+    if arch == "gpt2":  # its q/k/v are one Conv1D already (addmm, not linear)
+        assert backend.stats.fused_linears == 0
+        return
+    layers, graphs = model.config.num_hidden_layers, backend.stats.graphs_seen
+    assert backend.stats.fused_linears == 5 * layers * graphs  # q, k, v and gate, up per layer
+    assert backend.stats.fused_weight_bytes == sibling_bytes(model)
+
+
+def test_gptj_parallel_block():
+    """GPT-J projects one input with q, k, v (no bias) and fc_in (bias): one group of three,
+    and its uses follow each projection in turn (the rewrite must keep the graph ordered)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                       n_positions=64, bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.randint(0, 128, (2, 5))
+    expected = model(ids).logits
+    compiled_model, backend = compiled(model)
+    torch.testing.assert_close(compiled_model(ids).logits, expected)
+    assert backend.stats.fused_linears == 3 * 2  # q, k, v per layer
