@@ -44,25 +44,29 @@ from compile_cache import fresh_compile_cache
 
 
 class StepClock:
-    """Wraps the callable that runs each decode step: host time per call, CUDA events around it."""
+    """Host time of each decode step's call, and CUDA events around it: `begin` / `end`."""
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self):
         self.host_ms: list[float] = []
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._open = None
 
-    def __call__(self, *args, **kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
+    def begin(self, ids) -> None:
         if ids is None or ids.shape[-1] != 1:  # the prefill is not a decode step
-            return self.fn(*args, **kwargs)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            return
+        before = torch.cuda.Event(enable_timing=True)
         before.record()
-        start = time.perf_counter()
-        out = self.fn(*args, **kwargs)
+        self._open = (before, time.perf_counter())
+
+    def end(self) -> None:
+        if self._open is None:
+            return
+        before, start = self._open
         self.host_ms.append(1e3 * (time.perf_counter() - start))
+        after = torch.cuda.Event(enable_timing=True)
         after.record()
         self.events.append((before, after))
-        return out
+        self._open = None
 
     def device_ms(self) -> list[float]:
         torch.cuda.synchronize()
@@ -124,14 +128,23 @@ class ReplayClock:
         torch.cuda.CUDAGraph.replay = self._original
 
 
-def wrap_step(model, variant: str) -> StepClock:
-    """Put a StepClock on the callable generate() runs each decode step through."""
+def clock_steps(model, variant: str) -> StepClock:
+    """A StepClock around the call generate() runs each decode step through, put where
+    it changes nothing Dynamo guards on (replacing `model.forward` would recompile)."""
+    clock = StepClock()
     if variant == "static":  # generate() calls model._compiled_call (modeling_utils.get_compiled_call)
-        clock = StepClock(model._compiled_call)
-        model._compiled_call = clock
-    else:
-        clock = StepClock(model.forward)
-        model.forward = clock
+        compiled = model._compiled_call
+
+        def timed(*args, **kwargs):
+            clock.begin(kwargs.get("input_ids"))
+            out = compiled(*args, **kwargs)
+            clock.end()
+            return out
+
+        model._compiled_call = timed
+    else:  # module hooks run in nn.Module.__call__, outside the compiled model.forward
+        model.register_forward_pre_hook(lambda m, args, kwargs: clock.begin(kwargs.get("input_ids")), with_kwargs=True)
+        model.register_forward_hook(lambda m, args, kwargs, out: clock.end(), with_kwargs=True)
     return clock
 
 
@@ -146,7 +159,7 @@ class Probe:
         model = self.loaded.model
         self.prompt = hf_bench.make_prompt(args, batch, model.config.vocab_size)
         self.token_ms: list[float] = []
-        self.step = wrap_step(model, variant)
+        self.step = clock_steps(model, variant)
         backend = self.loaded.backend
         self.inner = clock_runtime(backend) if isinstance(backend, cgcompile.Backend) else {}
         self.replay_ms: list[float] = []
@@ -202,6 +215,7 @@ def measure_batch(batch: int, variants: list[str], args) -> list[dict]:
             rows.append({"variant": variant, "batch": batch, "error": error_v})
         else:
             probes.append(made)
+    graphs = hf_bench.dynamo_graphs()
     for _ in range(args.rounds):
         if loop is not None:
             loop_ms.append(loop())
@@ -210,6 +224,9 @@ def measure_batch(batch: int, variants: list[str], args) -> list[dict]:
     rows.insert(0, {"variant": "loop only (forward does nothing)", "batch": batch,
                     "token_ms": statistics.median(loop_ms) if loop_ms else None, "error": error})
     rows += [probe.row() for probe in probes]
+    if hf_bench.dynamo_graphs() != graphs:  # the clocks must not change what they time
+        for row in rows:
+            row["error"] = f"Dynamo compiled {hf_bench.dynamo_graphs() - graphs} graph(s) during the rounds"
     return rows
 
 
