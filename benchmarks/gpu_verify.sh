@@ -33,6 +33,8 @@ job fuzz_inductor python3 -m cgcompile.fuzz --cases 40 --seed 2000 --device cuda
 job fuzz_full python3 -m cgcompile.fuzz --cases 200 --seed 3000 --device cuda --padding none --full-graph pieces
 job fuzz_whole python3 -m cgcompile.fuzz --cases 20 --seed 4000 --device cuda --padding none --compiler inductor \
   --full-graph whole
+job fuzz_fused python3 -m cgcompile.fuzz --cases 300 --seed 5000 --device cuda --padding none --full-graph pieces \
+  --fuse-sibling-linears
 job example_sq python3 examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention \
   --batch 3 --new-tokens 32
 job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \

@@ -77,12 +77,13 @@ class Setup:
     host-side inputs repeat replays one graph of the pieces' code); "whole" (the same, the
     full graph being the whole graph compiled as one: `Config.full_graph_compile`). With
     full graphs each size is called `calls` times in a row: the first call of a size runs
-    piecewise, the second captures, the third replays."""
+    piecewise, the second captures, the third replays. fuse_sibling_linears: the Config field."""
 
     compiler: str = "eager"
     device: str = "cpu"
     padding: bool | None = True
     full_graph: str = "off"
+    fuse_sibling_linears: bool = False
 
     @property
     def calls(self) -> int:
@@ -95,7 +96,8 @@ class Setup:
                     f"full_graph_compile={self.full_graph == 'whole'}")
         return (
             f"cgcompile.Config(compiler={self.compiler!r}, capture_sizes={CAPTURE_SIZES}, "
-            f"padding={self.padding}, splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS{full})"
+            f"padding={self.padding}, splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS{full}, "
+            f"fuse_sibling_linears={self.fuse_sibling_linears})"
         )
 
     def config(self) -> Config:
@@ -106,7 +108,7 @@ class Setup:
             full = dict(capturable_split_ops=FUZZ_SPLIT_OPS + ("attention",),
                         full_graph_compile=self.full_graph == "whole")
         return Config(compiler=self.compiler, capture_sizes=CAPTURE_SIZES, padding=self.padding,
-                      splitting_ops=FUZZ_SPLIT_OPS, **full)
+                      splitting_ops=FUZZ_SPLIT_OPS, fuse_sibling_linears=self.fuse_sibling_linears, **full)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +322,8 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
     padding = {True: "true", None: "none", False: "false"}[setup.padding]
     lines = [
         f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
-        f"--compiler {setup.compiler} --device {setup.device} --padding {padding} --full-graph {setup.full_graph}",
+        f"--compiler {setup.compiler} --device {setup.device} --padding {padding} --full-graph {setup.full_graph}"
+        + (" --fuse-sibling-linears" if setup.fuse_sibling_linears else ""),
         f"# productions ({program.mode}): {', '.join(program.productions)}",
     ]
     if outcome is not None and outcome.status != "ok":
@@ -447,6 +450,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--padding", choices=("true", "none", "false"), default="true")
     parser.add_argument("--full-graph", choices=FULL_GRAPH_MODES, default="off",
                         help="declare every split op capturable (pieces), and compile full graphs whole (whole)")
+    parser.add_argument("--fuse-sibling-linears", action="store_true",
+                        help="compile with Config(fuse_sibling_linears=True)")
     parser.add_argument("--shrink-budget", type=float, default=60.0, help="seconds to shrink each new class")
     parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
     args = parser.parse_args(argv)
@@ -465,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _setups(args) -> list[Setup]:
     padding = {"true": True, "none": None, "false": False}[args.padding]
     compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
-    return [Setup(c, args.device, padding, args.full_graph) for c in compilers]
+    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears) for c in compilers]
 
 
 def _print_class(cls: FailureClass) -> None:

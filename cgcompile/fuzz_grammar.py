@@ -445,6 +445,20 @@ def linear(g):
         g.define(f"F.linear({v}, {w}, {bias})", v.shape[:-1] + (e,))
 
 
+@production("matmul", weight=1)
+def sibling_linears(g):
+    """Two or three linears of one input, like q/k/v projections (what
+    Config.fuse_sibling_linears fuses): biases on all, on none, or on the first only."""
+    v = g.pick(_int_last)
+    d = v.shape[-1]
+    biases = g.choice(["all", "none", "first"])
+    for k in range(g.choice([2, 3])):
+        e = g.choice(DIMS[:4])
+        w = g.param(f"torch.randn({e}, {d}, generator=g) / {math.sqrt(d):.4f}")
+        bias = g.param(_vector(e)) if biases == "all" or (biases == "first" and k == 0) else "None"
+        g.define(f"F.linear({v}, {w}, {bias})", v.shape[:-1] + (e,))
+
+
 @production("matmul", weight=4)
 def matmul_matrix(g):
     m = g.pick(lambda v: len(v.shape) == 2 and not v.rows)

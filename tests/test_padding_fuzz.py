@@ -272,6 +272,15 @@ def test_full_graphs_on_cpu_agree_with_eager():
     _assert_only_known_bugs(range(120), fuzz.Setup("eager", "cpu", padding=True, full_graph="pieces"))
 
 
+FUSED_SEEDS = [s for s in range(400) if "sibling_linears" in fuzz.generate(s).productions][:24]
+
+
+def test_fused_sibling_linears_on_cpu_agree_with_eager():
+    """Config.fuse_sibling_linears on programs with sibling linears, piecewise and full."""
+    setup = fuzz.Setup("eager", "cpu", padding=True, full_graph="pieces", fuse_sibling_linears=True)
+    _assert_only_known_bugs(FUSED_SEEDS, setup)
+
+
 def test_whole_graph_compiles_on_cpu_agree_with_eager():
     _assert_only_known_bugs(CPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cpu", padding=True, full_graph="whole"))
 
@@ -336,6 +345,13 @@ def test_cuda_graphs_inductor_pieces_agree_with_eager():
 @pytest.mark.cuda
 def test_cuda_full_graphs_agree_with_eager():
     _assert_only_known_bugs(range(0, 1000, 4), fuzz.Setup("eager", "cuda", padding=None, full_graph="pieces"))
+
+
+@pytest.mark.cuda
+def test_cuda_fused_sibling_linears_agree_with_eager():
+    fused = [s for s in range(2000) if "sibling_linears" in fuzz.generate(s).productions][:100]
+    _assert_only_known_bugs(fused, fuzz.Setup("eager", "cuda", padding=None, full_graph="pieces",
+                                              fuse_sibling_linears=True))
 
 
 @pytest.mark.cuda
