@@ -179,6 +179,10 @@ class Backend:
         """One copy per set of sources for all graphs of the model (a prefill and a decode
         graph fuse the same weights); sources written since the last copy get a new one."""
         key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in parts)
+        # A copy made inside a stream capture would live in the graph pool and be filled
+        # only by the capture's own run: never the case, as Dynamo compiles before any capture.
+        assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), \
+            "cgcompile: a fused weight copy was requested during a CUDA graph capture"
         if key not in self._fused_copies:
             with torch.no_grad():
                 self._fused_copies[key] = torch.cat(parts, dim=0)

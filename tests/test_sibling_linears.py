@@ -55,12 +55,18 @@ def test_fuses_each_group_and_matches_eager():
     assert len(linears) == 3 * graphs  # fused q/k/v, fused gate/up, out
 
 
-def test_parameter_updates_reach_the_fused_weights():
+def called_once():
+    """A compiled Projections after its first call (fused copies made), and that call's input."""
     torch.manual_seed(0)
     model = Projections()
     compiled_model, backend = compiled(model)
     x = torch.randn(4, 16)
     compiled_model(x)
+    return model, compiled_model, backend, x
+
+
+def test_parameter_updates_reach_the_fused_weights():
+    model, compiled_model, backend, x = called_once()
     with torch.no_grad():
         model.k.weight.mul_(2)  # in place through the parameter: its version counter moves
     assert_matches_eager(compiled_model, model, x)
@@ -73,11 +79,7 @@ def test_parameter_updates_reach_the_fused_weights():
 
 def test_a_write_through_data_needs_a_refresh():
     """The documented blind spot: `param.data` has its own version counter."""
-    torch.manual_seed(0)
-    model = Projections()
-    compiled_model, backend = compiled(model)
-    x = torch.randn(4, 16)
-    compiled_model(x)
+    model, compiled_model, backend, x = called_once()
     model.q.weight.data.mul_(3)
     stale, expected = compiled_model(x)[0], model(x)[0]
     assert not torch.allclose(stale, expected)
