@@ -160,9 +160,12 @@ class Backend:
         if not self.config.fuse_sibling_linears:
             return gm, None
         placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        # Inference tensors have no version counter, so a later update could not be seen.
+        # Left out: inference tensors, which have no version counter (a later update could
+        # not be seen), and parameters autograd will differentiate (the copies would take
+        # their gradients). Dynamo guards on grad mode, so a call with grad on recompiles.
+        training = torch.is_grad_enabled()
         params = {name: x for name, x in zip(placeholders, example_inputs)
-                  if isinstance(x, torch.nn.Parameter) and not x.is_inference()}
+                  if isinstance(x, torch.nn.Parameter) and not x.is_inference() and not (training and x.requires_grad)}
         gm, fused = fuse_sibling_linears(gm, params, self._fused_copy)
         if not fused:
             return gm, None

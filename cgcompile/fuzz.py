@@ -124,6 +124,7 @@ class Outcome:
     graphs: int = 0  # Dynamo graphs the backend saw (1, plus 1 when n=1 ran)
     padded: bool = False  # some graph ran padded to the capture sizes (`Piece.sizes`)
     full_calls: int = 0  # calls that took the full path (Setup.full_graph)
+    fused_linears: int = 0  # linears fused away (Setup.fuse_sibling_linears)
 
     @property
     def kind(self) -> str:
@@ -161,7 +162,8 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
         outcome = dataclasses.replace(outcome, status="invalid", detail=detail)
     padded = any(piece.sizes.startswith("padded") for piece in backend.pieces)
     stats = backend.stats
-    return dataclasses.replace(outcome, graphs=stats.graphs_seen, padded=padded, full_calls=stats.full_graph_calls)
+    return dataclasses.replace(outcome, graphs=stats.graphs_seen, padded=padded, full_calls=stats.full_graph_calls,
+                               fused_linears=stats.fused_linears)
 
 
 def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> Outcome:
@@ -371,6 +373,7 @@ class Report:
     counts: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (compiler, status) -> cases
     padded: int = 0  # cases in which some graph ran padded
     full_calls: int = 0  # calls that took the full path, over all cases
+    fused_linears: int = 0  # linears fused away, over all cases
     recompiled: list[int] = dataclasses.field(default_factory=list)  # seeds Dynamo compiled more than expected
     classes: list[FailureClass] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -386,7 +389,8 @@ class Report:
             total = sum(by_status.values())
             detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
             lines.append(f"compiler={compiler}: {total} cases: {detail}")
-        lines.append(f"padded in {self.padded} cases; {self.full_calls} calls took the full path; "
+        fused = f"{self.fused_linears} linears fused; " if self.fused_linears else ""
+        lines.append(f"padded in {self.padded} cases; {self.full_calls} calls took the full path; {fused}"
                      f"{self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
         if self.recompiled:
             lines.append(f"more Dynamo graphs than sizes need (specialized, fewer sizes share a graph): "
@@ -413,6 +417,7 @@ def run_campaign(
             report.counts[key] = report.counts.get(key, 0) + 1
             report.padded += outcome.padded
             report.full_calls += outcome.full_calls
+            report.fused_linears += outcome.fused_linears
             if outcome.status == "ok" and outcome.graphs > 1 + (1 in sizes):
                 report.recompiled.append(seed)
             on_case(seed, setup, outcome)

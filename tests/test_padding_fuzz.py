@@ -132,14 +132,15 @@ GPU_SEEDS = range(1000)
 GPU_INDUCTOR_SEEDS = range(0, 1000, 20)
 
 
-def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int]:
+def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int, int]:
     """Run the seeds; returns (failures through known bugs, one line each; shrunk
-    reproducers of every other failure; calls that took the full path)."""
-    known, new, full_calls = [], [], 0
+    reproducers of every other failure; calls that took the full path; linears fused)."""
+    known, new, full_calls, fused = [], [], 0, 0
     for seed in seeds:
         program, sizes = fuzz.generate(seed), fuzz.case_sizes(seed)
         outcome = fuzz.run_case(program, sizes, setup)
         full_calls += outcome.full_calls
+        fused += outcome.fused_linears
         if outcome.status not in fuzz.FAILURES:
             continue
         bugs = [bug.what for bug in KNOWN_BUGS if bug.explains(program)]
@@ -149,14 +150,16 @@ def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int]:
             check = functools.partial(fuzz.run_case, setup=setup)
             program, sizes, outcome = fuzz.shrink(program, sizes, outcome, check, budget_s=30)
             new.append(fuzz.reproducer(program, sizes, setup, outcome))
-    return known, new, full_calls
+    return known, new, full_calls, fused
 
 
 def _assert_only_known_bugs(seeds, setup: fuzz.Setup) -> None:
-    known, new, full_calls = _fuzz(seeds, setup)
+    known, new, full_calls, fused = _fuzz(seeds, setup)
     assert not new, f"{len(new)} failures outside KNOWN_BUGS; reproducers:\n\n" + "\n\n".join(new)
     if setup.full_graph != "off":  # the full path ran, or the test would check nothing new
         assert full_calls >= len(seeds), f"only {full_calls} calls took the full path"
+    if setup.fuse_sibling_linears:  # likewise: linears were fused
+        assert fused >= len(seeds), f"only {fused} linears were fused in {len(seeds)} cases"
     if known:
         pytest.xfail(f"{len(known)} of {len(seeds)} cases fail, all through KNOWN_BUGS:\n" + "\n".join(known))
 

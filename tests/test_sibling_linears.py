@@ -9,6 +9,13 @@ from cgcompile.passes import fuse_sibling_linears
 from test_hf_generate import ARCHS, compile_and_match_eager, tiny_model
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    """Inference, as the option is meant for (parameters that need gradients are not fused)."""
+    with torch.no_grad():
+        yield
+
+
 class Projections(torch.nn.Module):
     """q, k, v with biases and gate, up without, on one input: two groups (bias or not)."""
 
@@ -158,3 +165,20 @@ def test_gptj_parallel_block():
     compiled_model, backend = compiled(model)
     torch.testing.assert_close(compiled_model(ids).logits, expected)
     assert backend.stats.fused_linears == 3 * 2  # q, k, v per layer
+
+
+def test_parameters_that_need_gradients_are_not_fused():
+    """With grad on, the copies would take the gradients of the parameters they came from."""
+    torch.manual_seed(0)
+    model, reference = Projections(), Projections()
+    reference.load_state_dict(model.state_dict())
+    compiled_model, backend = compiled(model)
+    x = torch.randn(4, 16)
+    with torch.enable_grad():
+        sum(o.sum() for o in compiled_model(x)).backward()
+        sum(o.sum() for o in reference(x)).backward()
+    assert backend.stats.fused_linears == 0
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+    compiled_model(x)  # grad off (the fixture): Dynamo compiles again, and this graph fuses
+    assert backend.stats.fused_linears == 5
