@@ -53,7 +53,8 @@ class Config:
         Costs memory: the concatenated weights are copies (`stats.fused_weight_bytes`),
         kept equal to the parameters on every call (`cgcompile.fused_weights`; a write
         through `param.data` is not seen: call `Backend.refresh_fused_weights()`).
-        Results agree with eager to rounding.
+        Results agree with eager to rounding. For inference: with grad on, parameters
+        that require grad are left out.
     capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
         "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
     use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
