@@ -21,7 +21,6 @@ data: capture and run) and returns what replays it, or None for a segment withou
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Callable
 
 import torch
@@ -48,12 +47,10 @@ class CudaGraphSegments:
         pass  # the graph records the kernels itself
 
     def end(self, graph: torch.cuda.CUDAGraph, name: str, empty: bool) -> Callable[[], None] | None:
-        if empty:  # between two eager steps: end the capture, keep nothing
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-                self.session.end_graph(graph, name)
+        # A segment without ops (two eager steps in a row), or whose ops launch no kernels
+        # (views): nothing to replay.
+        if self.session.end_graph(graph, name) or empty:
             return None
-        self.session.end_graph(graph, name)
         graph.replay()  # capture ran nothing: compute the segment's results now
         return graph.replay
 

@@ -17,6 +17,7 @@ import contextlib
 import enum
 import gc
 import logging
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -63,6 +64,46 @@ def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode(False):
         alias = torch.as_tensor(_DeviceArray(interface), device=tensor.device)
         return alias.view(tensor.dtype)
+
+
+class EmptyGraph:
+    """What a capture that recorded no GPU work leaves (a piece of views and host-side
+    values only): replaying it launches nothing, so `replay` does nothing, and costs no
+    graph launch. The captured graph is kept, so the pool lives as long as it would."""
+
+    __slots__ = ("graph",)
+
+    def __init__(self, graph: torch.cuda.CUDAGraph):
+        self.graph = graph
+
+    def replay(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.graph.reset()
+
+
+_EMPTY_GRAPH_WARNING = "The CUDA Graph is empty"
+
+
+def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
+    """`graph.capture_end()`; returns whether the graph recorded no work.
+
+    torch warns about an empty graph ("... usually means that the graph was attempted to
+    be captured on wrong device or stream"). cgcompile captures on its own stream, so an
+    empty graph here is a piece that launches no kernels on the capture's device (float()
+    of a float32 tensor, say); the caller says so in its own words. Other warnings pass
+    through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph.capture_end()
+    empty = False
+    for w in caught:
+        if str(w.message).startswith(_EMPTY_GRAPH_WARNING):
+            empty = True
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return empty
 
 
 def output_key(tensor: torch.Tensor, padded_shape: tuple[int, ...]) -> tuple:
@@ -219,9 +260,10 @@ class CaptureSession:
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
 
-    def end_graph(self, graph: torch.cuda.CUDAGraph, name: str) -> None:
+    def end_graph(self, graph: torch.cuda.CUDAGraph, name: str) -> bool:
+        """End the capture of `graph`; returns whether it recorded no GPU work."""
         try:
-            graph.capture_end()
+            empty = end_capture(graph)
             release_cublas_workspaces()  # eager matmuls after this must not reuse the pool's
         except RuntimeError as e:
             self._after_failed_capture()
@@ -231,6 +273,7 @@ class CaptureSession:
                 f"(torch.cuda.current_stream().wait_stream(side_stream))"
             ) from e
         self.graphs_captured += 1
+        return empty
 
     @contextlib.contextmanager
     def on_capture_stream(self):
@@ -244,6 +287,7 @@ class CaptureSession:
 
         make_args runs inside the capture, so the buffers it allocates come from the pool.
         Returns (graph, args, outputs); outputs are owning tensors, valid after a replay.
+        A capture that recorded no GPU work returns an `EmptyGraph`, whose replay is free.
         """
         with self.on_capture_stream(), gc_paused():
             graph = self.begin_graph()
@@ -253,7 +297,10 @@ class CaptureSession:
             except Exception as e:
                 self.abandon(graph)
                 raise CaptureError(f"capturing {name} failed: {e}") from e
-            self.end_graph(graph, name)
+            if self.end_graph(graph, name):
+                log.info("cgcompile: %s launches no GPU work (views and host-side values only); "
+                         "its replays launch nothing", name)
+                graph = EmptyGraph(graph)
         return graph, args, outputs
 
     def release_graphs(self) -> None:

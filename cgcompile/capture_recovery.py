@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch.fx import GraphModule, Interpreter, Node
 
-from .capture import CaptureSession, gc_paused
+from .capture import CaptureSession, end_capture, gc_paused
 from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .passes import SplitGraph, SplitReason, is_floating, split_graph
 
@@ -97,7 +97,7 @@ class _NodeByNodeCapture(Interpreter):
             graph.capture_begin(pool=pool, capture_error_mode=self.session.error_mode)
             try:
                 super().run_node(node)
-                graph.capture_end()
+                end_capture(graph)  # a node alone may launch nothing: no warning for that
             except Exception as e:  # noqa: BLE001 - any failure under capture is the answer
                 try:
                     graph.capture_end()

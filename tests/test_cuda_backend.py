@@ -246,3 +246,37 @@ def test_release_all_graphs_drops_every_graph_and_the_next_call_recaptures():
         captured = backend.session.graphs_captured
         torch.testing.assert_close(compiled(ids), expected)
     assert backend.session.graphs_captured > captured
+
+
+class _KernelFreePiece(torch.nn.Module):
+    """Between two split ops, a piece whose one op launches no kernel: float() of a
+    float32 tensor returns the tensor itself."""
+
+    def forward(self, x):
+        a = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        b = a.float()
+        return torch.ops.cgcompile_testing.silly_attention(b, b, x)
+
+
+def test_a_piece_that_launches_no_kernel_replays_nothing_and_does_not_warn(caplog):
+    import logging
+    import warnings
+
+    from cgcompile.capture import EmptyGraph
+    from cgcompile.graph_piece import CudaGraphPiece
+
+    torch._dynamo.reset()
+    model = _KernelFreePiece()
+    backend = cgcompile.Backend(cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=SIZES))
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="cgcompile"):
+        warnings.simplefilter("always")
+        for n in (3, 3, 5, 4, 3):  # capture size 4, replay, capture 8, exact 4, replay
+            x = torch.randn(n, 8, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert not [w for w in caught if "CUDA Graph is empty" in str(w.message)]
+    assert "launches no GPU work" in caplog.text
+    graphs = [g.graph for r in backend.runtimes[0].runners if isinstance(r, CudaGraphPiece) for g in r.graphs.values()]
+    assert len(graphs) == 2 == backend.stats.graphs_captured
+    assert all(isinstance(g, EmptyGraph) for g in graphs)
