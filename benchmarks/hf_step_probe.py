@@ -23,6 +23,11 @@ that runs each decode step and reads plain clocks (the model and variants of hf_
 token ~= loop + (step device - the part of the loop that overlaps the GPU). What a variant
 can still win is bounded by its step device time; the rest belongs to generate().
 
+--skip-module-guards compiles every variant (transformers' own too) with Dynamo's
+`guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe`: what Dynamo's
+guards on the model's modules and parameters cost per step. Unsafe in general (a changed
+module attribute is not noticed); a measurement, not a recommendation.
+
     python benchmarks/hf_step_probe.py --variants static,cgcompile-static-sq --batches 1,8
 """
 
@@ -203,6 +208,27 @@ def loop_only(args, batch: int) -> Callable[[], float]:
     return lambda: token_ms(model, ids, mask, kwargs, args.new_tokens)
 
 
+def skip_module_guards() -> None:
+    """Make every later torch.compile drop Dynamo's guards on nn modules (see the docstring).
+
+    torch.compile refuses `mode` beside `options`, so transformers' reduce-overhead mode
+    becomes the option it stands for (triton.cudagraphs)."""
+    original = torch.compile
+
+    def compile_without_module_guards(model=None, **kwargs):
+        options = dict(kwargs.pop("options", None) or {})
+        if kwargs.get("mode") == "reduce-overhead":
+            kwargs.pop("mode")
+            options["triton.cudagraphs"] = True
+        elif kwargs.get("mode") not in (None, "default"):
+            raise ValueError(f"--skip-module-guards: mode {kwargs['mode']!r} is not handled")
+        kwargs.pop("mode", None)
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        return original(model, options=options, **kwargs)
+
+    torch.compile = compile_without_module_guards
+
+
 def measure_batch(batch: int, variants: list[str], args) -> list[dict]:
     """Warm every variant up, then time them in interleaved rounds (the host drifts)."""
     torch._dynamo.reset()
@@ -236,10 +262,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-module-guards", action="store_true", help="see the module docstring")
     cli = parser.parse_args()
+    if cli.skip_module_guards:
+        skip_module_guards()
     args = argparse.Namespace(device="cuda", tiny=False, dtype="bfloat16", compiler="inductor", prompt_len=128,
                               new_tokens=cli.new_tokens, rounds=cli.rounds, warm_cache=False)
-    print(harness.environment("cuda", variants=cli.variants, new_tokens=cli.new_tokens), flush=True)
+    print(harness.environment("cuda", variants=cli.variants, new_tokens=cli.new_tokens,
+                              skip_module_guards=cli.skip_module_guards), flush=True)
     rows = []
     for batch in [int(b) for b in cli.batches.split(",")]:
         for row in measure_batch(batch, cli.variants.split(","), args):
@@ -254,7 +284,7 @@ def main() -> None:
               f"{f('step_device_ms'):>12} {f('launch_host_ms'):>12} {f('full_path_host_ms'):>10} "
               f"{f('fused_check_host_ms'):>12}")
     if os.environ.get("OUT"):
-        harness.write_json(harness.default_out("hf_step_probe.json"), {"rows": rows})
+        harness.write_json(harness.default_out("hf_step_probe.json"), {"rows": rows, "skip_module_guards": cli.skip_module_guards})
 
 
 if __name__ == "__main__":
