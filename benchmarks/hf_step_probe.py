@@ -8,8 +8,9 @@ that runs each decode step and reads plain clocks (the model and variants of hf_
                     variant is warmed up first, then the rounds take turns (the host drifts)
     step host ms    the decode step's call, from entry to return (guards, the variant's own
                     dispatch, the graph launch), no synchronisation
-    full path, fused check  cgcompile's own share of the step host time (its decode graph's
-                    FullGraph.run, FusedWeights.extend); the rest is Dynamo's guards and calls
+    full path, fused check, address check  cgcompile's own share of the step host time
+                    (its decode graph's FullGraph.run, FusedWeights.extend,
+                    ParameterAddresses.allow); the rest is Dynamo's guards and calls
     step device ms  CUDA events recorded just before and just after that call: from when
                     the GPU reaches the call (idle, as generate() synchronises every token)
                     to when its last kernel ends: host time before the first kernel plus
@@ -108,6 +109,8 @@ def clock_runtime(backend) -> dict[str, MethodClock]:
         runtime.full = clocks["full_path_host_ms"] = MethodClock(runtime.full, "run")
     if runtime.fused is not None:
         runtime.fused = clocks["fused_check_host_ms"] = MethodClock(runtime.fused, "extend")
+    if runtime.addresses is not None:
+        runtime.addresses = clocks["address_check_host_ms"] = MethodClock(runtime.addresses, "allow")
     return clocks
 
 
@@ -276,13 +279,13 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     print(f"\n{'variant':<34} {'B':>2} {'token ms':>9} {'step host':>10} {'step device':>12} {'launch host':>12} "
-          f"{'full path':>10} {'fused check':>12}")
+          f"{'full path':>10} {'fused check':>12} {'address check':>14}")
     for r in rows:
         def f(key):
             return f"{r[key]:.3f}" if r.get(key) is not None else "-"
         print(f"{r['variant']:<34} {r['batch']:>2} {f('token_ms'):>9} {f('step_host_ms'):>10} "
               f"{f('step_device_ms'):>12} {f('launch_host_ms'):>12} {f('full_path_host_ms'):>10} "
-              f"{f('fused_check_host_ms'):>12}")
+              f"{f('fused_check_host_ms'):>12} {f('address_check_host_ms'):>14}")
     if os.environ.get("OUT"):
         harness.write_json(harness.default_out("hf_step_probe.json"), {"rows": rows, "skip_module_guards": cli.skip_module_guards})
 

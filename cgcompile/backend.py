@@ -51,6 +51,7 @@ from .capture_recovery import find_uncapturable_node, split_at_node
 from .full_graph import FullGraph, plain_function
 from .full_graph_code import EagerPieceCompiles, FullGraphCode
 from .fused_weights import FusedWeights
+from .parameter_addresses import ParameterAddresses
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -139,6 +140,8 @@ class Backend:
             self._call_sizing(graph_index, analysis, sizing), step,
         )
         runtime.fused = fused
+        if analysis.cudagraphs and not self.config.check_addresses:  # that one raises instead
+            runtime.addresses = self._parameter_addresses(graph_index, gm, split, analysis, runtime)
         self.runtimes.append(runtime)
         self._arm_recovery(graph_index, runtime, runtime, split, analysis, sizing)
         full_plan = self._attach_full_graph(graph_index, gm, split, analysis, runtime)
@@ -193,6 +196,19 @@ class Backend:
                 return torch.cat(parts, dim=0, out=self._fused_copies[key])
             self._fused_copies[key] = torch.cat(parts, dim=0)
         return self._fused_copies[key]
+
+    def _parameter_addresses(self, graph_index: int, gm: torch.fx.GraphModule, split: SplitGraph,
+                             analysis: GraphAnalysis, runtime: GraphRuntime) -> ParameterAddresses | None:
+        """The per-call check that the parameters and buffers captured pieces read in place
+        (never copied, see `graph_piece`) are where the graphs read them. Those only eager
+        pieces read need no check: eager code reads the call's own; a full graph checks
+        them itself (`FullGraphPlan.by_address`)."""
+        read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        indices = [i for i, name in enumerate(names) if name in analysis.static_inputs and name in read]
+        if not indices:
+            return None
+        return ParameterAddresses(f"graph{graph_index}", indices, [names[i] for i in indices], runtime.drop_all_graphs)
 
     def _analyse(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphAnalysis:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

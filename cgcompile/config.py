@@ -36,7 +36,9 @@ class Config:
     reuse_output_buffers: return the graphs' static output buffers instead of copies.
         Faster, but a later call overwrites outputs the caller still holds.
     check_addresses: on every replay, check that inputs captured by address still live
-        there, and raise naming the piece and input if not (debugging aid).
+        there, and raise naming the piece and input if not. Without it, a call whose
+        parameters moved runs without graphs and graphs are captured again once the new
+        addresses settle (`cgcompile.parameter_addresses`).
     cudnn_attention: let scaled_dot_product_attention in the eager pieces use its cuDNN
         backend. Off by default: cuDNN builds a plan for every new key length (tens of
         ms each, then a host-side lookup per call), and split attention sees a new

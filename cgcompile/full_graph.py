@@ -109,6 +109,10 @@ class FullGraph:
         self._count("full")
         return self._capture(args, size, key)
 
+    def skip(self, case: str) -> None:
+        """Count this call as piecewise for `case`, decided by the caller."""
+        return self._piecewise(case, "")
+
     # -- the two paths ---------------------------------------------------------------------
 
     def _replay(self, entry: _Entry, args: Sequence):

@@ -118,6 +118,9 @@ class GraphRuntime:
         self.step = step or StepSize()
         self.full = None  # a `full_graph.FullGraph`: one graph for the whole call, where allowed
         self.fused = None  # a `fused_weights.FusedWeights`: inputs appended to every call
+        # A `parameter_addresses.ParameterAddresses`: whether a call's parameters are where
+        # the graphs read them (None without CUDA graphs).
+        self.addresses = None
 
     def replace_runner(self, old: PieceRunner, new: Callable, new_runners: list) -> None:
         """Call `new` where `old` was called (recovery after a failed capture)."""
@@ -132,14 +135,24 @@ class GraphRuntime:
             if clear is not None:
                 clear()
 
+    def drop_all_graphs(self) -> None:
+        """`drop_graphs`, and the full graphs too."""
+        self.drop_graphs()
+        if self.full is not None:
+            self.full.clear()
+
     def __call__(self, *args):
         if self.fused is not None:
             args = self.fused.extend(args)
+        graphs = self.addresses is None or self.addresses.allow(args)
         if self.sizing is not None:
             n = args[self.sizing.input_index].shape[self.sizing.dim]
-            self.step.n, self.step.size = n, self.sizing.policy.size_for(n)
+            self.step.n, self.step.size = n, self.sizing.policy.size_for(n) if graphs else None
+        else:
+            self.step.size = 0 if graphs else None  # a static graph's one size
         if self.full is not None:
-            outputs = self.full.run(args, self.step.n, self.step.size)
+            outputs = self.full.run(args, self.step.n, self.step.size) if graphs else self.full.skip(
+                "its parameters are not where its graphs read them")
             if outputs is not None:
                 return outputs
         if self.cudnn_attention:

@@ -280,3 +280,34 @@ def test_a_piece_that_launches_no_kernel_replays_nothing_and_does_not_warn(caplo
     graphs = [g.graph for r in backend.runtimes[0].runners if isinstance(r, CudaGraphPiece) for g in r.graphs.values()]
     assert len(graphs) == 2 == backend.stats.graphs_captured
     assert all(isinstance(g, EmptyGraph) for g in graphs)
+
+
+def test_a_second_instance_never_replays_the_first_ones_graphs():
+    """Dynamo reuses one compiled graph for two models of the same class (parameters are
+    graph inputs); the graphs hold the first model's parameter addresses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    from cgcompile.testing import ToyLlama
+
+    first, second = ToyLlama(3, hidden=64, vocab=128).cuda(), ToyLlama(3, hidden=64, vocab=128).cuda()
+    backend = cgcompile.Backend(cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=SIZES))
+    compiled_first, compiled_second = torch.compile(first, backend=backend), torch.compile(second, backend=backend)
+    with torch.no_grad():
+        for model, compiled in [(first, compiled_first), (second, compiled_second)] * 3:
+            ids = dynamic_ids(5)
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert backend.stats.graphs_seen == 1  # one Dynamo graph for both models
+    addresses = backend.runtimes[0].addresses
+    assert addresses.calls_without_graphs == 3 and addresses.recaptures == 0
+
+
+def test_parameters_replaced_by_new_tensors_are_captured_again():
+    model, backend, compiled = _compiled()
+    ids = dynamic_ids(5)
+    with torch.no_grad():
+        compiled(ids)
+        for p in model.parameters():
+            p.data = p.data * 1.5  # new tensors, at new addresses
+        for _ in range(3):  # without graphs, then captured again, then replayed
+            torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    assert backend.runtimes[0].addresses.recaptures == 1
