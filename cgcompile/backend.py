@@ -208,7 +208,11 @@ class Backend:
         indices = [i for i, name in enumerate(names) if name in analysis.static_inputs and name in read]
         if not indices:
             return None
-        return ParameterAddresses(f"graph{graph_index}", indices, [names[i] for i in indices], runtime.drop_all_graphs)
+        def recapture():
+            runtime.drop_all_graphs()
+            self.session.fresh_pool()
+
+        return ParameterAddresses(f"graph{graph_index}", indices, [names[i] for i in indices], recapture)
 
     def _analyse(self, gm: torch.fx.GraphModule, example_inputs: list) -> GraphAnalysis:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

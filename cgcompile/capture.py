@@ -226,6 +226,18 @@ class CaptureSession:
         self._retired.append(self.pool)
         self._pool, self._pool_given = GraphPool(), False
 
+    def fresh_pool(self) -> None:
+        """Send later captures to a new pool. After a graph's runners dropped their graphs,
+        the pool may hold no graph any more, and torch cannot capture into a pool whose
+        graphs are all gone. Graphs still in the old pool keep replaying from it; the two
+        pools share no memory."""
+        if self._pool is None:
+            return
+        if self._pool_given:
+            log.info("cgcompile: graphs captured again go to a pool of their own, not the one you passed")
+        self._retired.append(self._pool)
+        self._pool, self._pool_given = None, False
+
     def register(self, runner) -> None:
         self._runners.append(weakref.ref(runner))
 

@@ -148,8 +148,15 @@ class GraphRuntime:
         if self.sizing is not None:
             n = args[self.sizing.input_index].shape[self.sizing.dim]
             self.step.n, self.step.size = n, self.sizing.policy.size_for(n) if graphs else None
-        else:
-            self.step.size = 0 if graphs else None  # a static graph's one size
+        elif not graphs:  # a static graph: its one size stays set for later calls
+            size, self.step.size = self.step.size, None
+            try:
+                return self._run(args, graphs)
+            finally:
+                self.step.size = size
+        return self._run(args, graphs)
+
+    def _run(self, args: tuple, graphs: bool):
         if self.full is not None:
             outputs = self.full.run(args, self.step.n, self.step.size) if graphs else self.full.skip(
                 "its parameters are not where its graphs read them")
