@@ -122,6 +122,9 @@ class Backend:
             r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
         )
         self._stats.fused_weight_refreshes = sum(rt.fused.refreshes for rt in self.runtimes if rt.fused is not None)
+        watched = [rt.addresses for rt in self.runtimes if rt.addresses is not None]
+        self._stats.calls_with_moved_parameters = sum(a.calls_without_graphs for a in watched)
+        self._stats.parameter_recaptures = sum(a.recaptures for a in watched)
         return self._stats
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -208,9 +211,14 @@ class Backend:
         indices = [i for i, name in enumerate(names) if name in analysis.static_inputs and name in read]
         if not indices:
             return None
+
         def recapture():
             runtime.drop_all_graphs()
             self.session.fresh_pool()
+            if not self.session.lazy_capture:
+                log.warning("cgcompile: graph%d dropped its CUDA graphs after its parameters moved; graphs "
+                            "captured under a memory budget are not captured lazily: call backend.capture(...) "
+                            "again to have them", graph_index)
 
         return ParameterAddresses(f"graph{graph_index}", indices, [names[i] for i in indices], recapture)
 

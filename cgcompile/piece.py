@@ -60,3 +60,8 @@ class BackendStats:
     fused_linears: int = 0
     fused_weight_bytes: int = 0
     fused_weight_refreshes: int = 0
+    # Calls whose parameters or buffers were not where the captured pieces read them (a
+    # second instance of the model's class, replaced weights): run without graphs; and
+    # recaptures once new addresses settled (see `cgcompile.parameter_addresses`).
+    calls_with_moved_parameters: int = 0
+    parameter_recaptures: int = 0

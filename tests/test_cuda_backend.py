@@ -299,6 +299,7 @@ def test_a_second_instance_never_replays_the_first_ones_graphs():
     assert backend.stats.graphs_seen == 1  # one Dynamo graph for both models
     addresses = backend.runtimes[0].addresses
     assert addresses.calls_without_graphs == 3 and addresses.recaptures == 0
+    assert backend.stats.calls_with_moved_parameters == 3
 
 
 def test_parameters_replaced_by_new_tensors_are_captured_again():
@@ -310,4 +311,4 @@ def test_parameters_replaced_by_new_tensors_are_captured_again():
             p.data = p.data * 1.5  # new tensors, at new addresses
         for _ in range(3):  # without graphs, then captured again, then replayed
             torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
-    assert backend.runtimes[0].addresses.recaptures == 1
+    assert backend.runtimes[0].addresses.recaptures == 1 == backend.stats.parameter_recaptures
