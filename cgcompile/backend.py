@@ -144,7 +144,7 @@ class Backend:
         )
         runtime.fused = fused
         if analysis.cudagraphs and not self.config.check_addresses:  # that one raises instead
-            runtime.addresses = self._parameter_addresses(graph_index, gm, split, analysis, runtime)
+            runtime.addresses = self._parameter_addresses(graph_index, gm, split, analysis, runtime, example_inputs)
         self.runtimes.append(runtime)
         self._arm_recovery(graph_index, runtime, runtime, split, analysis, sizing)
         full_plan = self._attach_full_graph(graph_index, gm, split, analysis, runtime)
@@ -201,14 +201,17 @@ class Backend:
         return self._fused_copies[key]
 
     def _parameter_addresses(self, graph_index: int, gm: torch.fx.GraphModule, split: SplitGraph,
-                             analysis: GraphAnalysis, runtime: GraphRuntime) -> ParameterAddresses | None:
+                             analysis: GraphAnalysis, runtime: GraphRuntime,
+                             example_inputs: list) -> ParameterAddresses | None:
         """The per-call check that the parameters and buffers captured pieces read in place
         (never copied, see `graph_piece`) are where the graphs read them. Those only eager
         pieces read need no check: eager code reads the call's own; a full graph checks
-        them itself (`FullGraphPlan.by_address`)."""
+        them itself (`FullGraphPlan.by_address`). Tensors without storage of their own
+        (wrapper subclasses) have no address to check; a graph cannot capture them either."""
         read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        indices = [i for i, name in enumerate(names) if name in analysis.static_inputs and name in read]
+        indices = [i for i, name in enumerate(names)
+                   if name in analysis.static_inputs and name in read and _has_address(example_inputs[i])]
         if not indices:
             return None
 
@@ -581,3 +584,12 @@ def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     cache; see `cgcompile.compile_scope`); `cgcompile.backend_of(compiled)` returns it.
     """
     return backend_for_this_compile(options)(gm, example_inputs)
+
+
+def _has_address(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory of its own; a wrapper subclass has none (its data_ptr
+    is 0, or raises, depending on the torch version), nor has an empty tensor."""
+    try:
+        return tensor.data_ptr() != 0
+    except RuntimeError:
+        return False

@@ -41,3 +41,22 @@ def test_parameters_replaced_for_good_are_captured_again():
     assert watch.allow(("x", w, new_b))  # the second: settled, graphs dropped and captured anew
     assert drops == [1] and watch.recaptures == 1
     assert watch.allow(("x", w, new_b)) and drops == [1]
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (as quantized weights are): no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_tensors_without_storage_are_not_checked():
+    from cgcompile.backend import _has_address
+
+    assert _has_address(torch.nn.Parameter(torch.zeros(3)))
+    assert not _has_address(_Wrapper(torch.zeros(3)))
