@@ -206,12 +206,15 @@ class Backend:
         """The per-call check that the parameters and buffers captured pieces read in place
         (never copied, see `graph_piece`) are where the graphs read them. Those only eager
         pieces read need no check: eager code reads the call's own; a full graph checks
-        them itself (`FullGraphPlan.by_address`). Tensors without storage of their own
-        (wrapper subclasses) have no address to check; a graph cannot capture them either."""
+        them itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused
+        weights (they keep their addresses, see `fused_weights`) and tensors without storage
+        of their own (wrapper subclasses), which have no address to check."""
         read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
+        owned = {id(t) for t in runtime.fused.tensors} if runtime.fused is not None else set()  # never move
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         indices = [i for i, name in enumerate(names)
-                   if name in analysis.static_inputs and name in read and _has_address(example_inputs[i])]
+                   if name in analysis.static_inputs and name in read and id(example_inputs[i]) not in owned
+                   and _has_address(example_inputs[i])]
         if not indices:
             return None
 

@@ -49,7 +49,7 @@ class ParameterAddresses:
             return True
         if addresses == self._moved:  # the same new addresses twice in a row: settled
             log.info("cgcompile: %s: its parameters and buffers moved (%s); its CUDA graphs are "
-                        "captured again", self.name, self._first_difference(addresses))
+                     "captured again", self.name, self._first_difference(addresses))
             self.drop_graphs()
             self.captured, self._moved = addresses, None
             self.recaptures += 1
