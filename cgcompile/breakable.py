@@ -38,6 +38,7 @@ import logging
 from typing import Any, Callable
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 
 from .attention_backend import call_without_cudnn_attention
@@ -91,6 +92,7 @@ class _BreakableGraph:
     statics: list[tuple[int, StaticInput]]  # (leaf index, buffer) refreshed before replay
     live_tensor_inputs: list[int]  # leaves eager steps get live (padded when the call is)
     outputs: Any  # the module's result: static tensors inside
+    output_tensors: list[torch.Tensor]  # its tensors, whose version a replay bumps
     keep_alive: list
 
 
@@ -174,6 +176,10 @@ class BreakableRunner:
                 live[index] = StaticInput.copy_of(leaves[index], n, size).buffer
         for step in entry.steps:
             step(live)
+        # A replay rewrites the static outputs behind autograd's back; bump their version so
+        # that whoever remembers one as unchanged (`StaticInput.refresh`) sees that it changed.
+        for t in entry.output_tensors:
+            increment_version(t)
         return _cut(entry.outputs, n, size, self.clone_outputs)
 
     # -- observe or capture -----------------------------------------------------------------
@@ -202,7 +208,7 @@ class BreakableRunner:
         keep_alive = recording.keep_alive + self.group.statics.add_outputs(output_tensors)
         entry = _BreakableGraph(recording.signature, recording.steps,
                                 [(i, statics[i]) for i in recording.static_inputs],
-                                recording.live_tensor_inputs, outputs, keep_alive)
+                                recording.live_tensor_inputs, outputs, output_tensors, keep_alive)
         self.rule.captured(size, recording.signature, entry)
         return _cut(outputs, n, size, self.clone_outputs)
 

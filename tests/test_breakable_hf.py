@@ -143,6 +143,23 @@ def test_the_issue_loop_run_pw_graph_with_a_dynamic_cache():
     assert manager.breakable.graph_count() == 2
 
 
+def test_a_layer_captured_after_the_next_one_still_feeds_it_fresh_values():
+    # Layer 1 copies layer 0's output into its own buffer when layer 0's graph is newer than
+    # its own; each later replay must copy again (a replay rewrites the output in place).
+    model = tiny_model("llama")
+    manager = breakable(model)
+    ids = torch.randint(3, 128, (1, 6))
+    cache, reference_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for step in range(9):
+        if step == 4:
+            manager.breakable.runners[0].clear()  # layer 0 captures again; layer 1 keeps its graph
+        out = manager.run_pw_graph(model, {"input_ids": ids, "past_key_values": cache, "use_cache": True})
+        ref = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
+        assert torch.equal(out.logits, ref.logits), f"step {step}"
+        ids = ref.logits[:, -1:].argmax(-1)
+    assert [runner.graph_count() for runner in manager.breakable.runners] == [1, 1]  # decode
+
+
 def test_capturing_the_whole_stack_finds_decode_uncapturable_and_stays_correct(caplog):
     # The stack's forward reads the cache length to build positions and masks: a graph
     # would freeze them. The integration's guard sees the read and keeps those calls eager.
