@@ -51,7 +51,7 @@ from .capture_recovery import find_uncapturable_node, split_at_node
 from .full_graph import FullGraph, plain_function
 from .full_graph_code import EagerPieceCompiles, FullGraphCode
 from .fused_weights import FusedWeights
-from .parameter_addresses import ParameterAddresses
+from .parameter_addresses import ParameterAddresses, has_address
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .layout import TracedLayout
 from .padding import SizePolicy, StepSize
@@ -214,7 +214,7 @@ class Backend:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         indices = [i for i, name in enumerate(names)
                    if name in analysis.static_inputs and name in read and id(example_inputs[i]) not in owned
-                   and _has_address(example_inputs[i])]
+                   and has_address(example_inputs[i])]
         if not indices:
             return None
 
@@ -587,12 +587,3 @@ def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     cache; see `cgcompile.compile_scope`); `cgcompile.backend_of(compiled)` returns it.
     """
     return backend_for_this_compile(options)(gm, example_inputs)
-
-
-def _has_address(tensor: torch.Tensor) -> bool:
-    """Whether `tensor` has memory of its own; a wrapper subclass has none (its data_ptr
-    is 0, or raises, depending on the torch version), nor has an empty tensor."""
-    try:
-        return tensor.data_ptr() != 0
-    except RuntimeError:
-        return False

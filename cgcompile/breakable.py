@@ -23,6 +23,11 @@ and results of earlier eager steps that only eager steps read (the keys and valu
 cache update returns). Other host-side state that changes per call must be read inside
 an `@eager_break` function, from an object it holds.
 
+Weights: segments read the module's parameters and buffers in place. Each call compares
+their addresses with those at capture (`parameter_addresses`): a call whose weights were
+replaced by new tensors runs eagerly, and once the new addresses settle every runner of
+the group captures again.
+
 Ownership: every tensor a step reads or writes, every static input and output, is held
 by strong references for as long as the graph lives (`Recording.keep_alive`, the steps,
 `StaticInput`). A weak reference would let the pool hand that memory to a later segment
@@ -35,6 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -50,6 +56,7 @@ from .capture import CaptureSession
 from .config import Config
 from .errors import expect
 from .padding import SizePolicy
+from .parameter_addresses import ModuleTensors, ParameterAddresses
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +82,29 @@ def eager_break(fn: Callable | None = None) -> Callable:
 
 
 class BreakableGroup:
-    """What runners built together share: static buffers (see `breakable_buffers`) and
-    the log lines already written (so sixteen decoder layers log a new signature once)."""
+    """What runners built together share: static buffers (see `breakable_buffers`), the
+    log lines already written (so sixteen decoder layers log a new signature once), and
+    the graphs that a runner whose weights moved drops (`drop_graphs`)."""
 
     def __init__(self):
         self.statics = SharedStatics()
         self.logged: set = set()
+        self._runners: list[weakref.ref] = []
+
+    def add(self, runner: "BreakableRunner") -> None:
+        self._runners.append(weakref.ref(runner))
+
+    def drop_graphs(self) -> None:
+        """Drop every runner's graphs (they are captured again lazily), into a fresh pool.
+
+        All runners, not only the one whose weights moved: a new state dict moves every
+        layer's, and one fresh pool then serves them all. torch cannot capture into a
+        pool whose graphs are all gone, hence the fresh one."""
+        runners = [runner for ref in self._runners if (runner := ref()) is not None]
+        for runner in runners:
+            runner.clear()
+        if runners and runners[0].segments == "cuda_graphs":
+            runners[0].session.fresh_pool()
 
 
 @dataclasses.dataclass
@@ -133,6 +157,12 @@ class BreakableRunner:
         self.sizes = SizePolicy(session.padding, exact=exact, limit=config.exact_size_limit, name=self.name)
         self.rule = SignatureRule(self.name, self.group.logged)
         self._forward = module.forward
+        # Segments read the module's parameters and buffers in place: a call whose tensors
+        # moved (replaced, not updated in place) must not replay (`parameter_addresses`).
+        self._tensors = ModuleTensors(module)
+        self.weights = ParameterAddresses(
+            self.name, (), self._tensors.names, self.group.drop_graphs, warned=self.group.logged, advice="")
+        self.group.add(self)
         session.register(self)
 
     @property
@@ -155,7 +185,7 @@ class BreakableRunner:
         leaves, structure = flatten_call(args, kwargs)
         n = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
         size = self.sizes.size_for(n) if n else None
-        if size is None:
+        if size is None or not self.weights.allow_addresses(self._tensors.read()):
             return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
         if decision.action is Action.REPLAY:

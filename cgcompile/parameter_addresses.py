@@ -1,18 +1,21 @@
 """Whether a call may replay CUDA graphs that read parameters and buffers in place.
 
-Graphs read a graph's parameters and buffers at the addresses they were captured with.
-Those addresses can change under the same compiled code:
+Graphs read a model's parameters and buffers at the addresses they were captured with.
+Those addresses can change under the same graphs:
   - Dynamo reuses one compiled graph for every instance of a module class (parameters
     are graph inputs), so a second model of the same class and shapes, compiled with the
     same backend, calls the first model's graphs with its own parameters;
   - a parameter is replaced (`param.data = ...`, `module.weight = ...`, a new state dict
-    loaded into new tensors).
-A replay would then compute with the old tensors. `ParameterAddresses.allow(args)` compares
-the addresses a call passes with those of the capture. A call that differs runs without
-graphs (correct, slower; a warning says so once); a second call in a row with the same new
-addresses means they settled (new weights): the graphs are dropped and captured again.
-Instances that alternate therefore never replay each other's graphs and never recapture
-at every call. The check costs one `data_ptr()` per parameter and buffer per call.
+    loaded into new tensors, a submodule swapped for another).
+A replay would then compute with the old tensors. `ParameterAddresses` compares the
+addresses of each call with those of the capture: a call that differs runs without
+graphs (correct, slower; a warning says so once); a second call in a row with the same
+new addresses means they settled (new weights): the graphs are dropped and captured
+again. Instances that alternate therefore never replay each other's graphs and never
+recapture at every call. The check costs one `data_ptr()` per parameter and buffer.
+
+Two readers feed it: the compiled path reads the graph's inputs (`allow(args)`), the
+breakable path reads the captured module itself (`ModuleTensors`).
 """
 
 from __future__ import annotations
@@ -20,27 +23,39 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
+import torch
+
 log = logging.getLogger(__name__)
+
+_DYNAMO_ADVICE = ("Dynamo reuses compiled code for every instance of a module class: give each model its own "
+                  "backend (torch.compile(m, backend=cgcompile.Backend())) to get graphs for each.")
 
 
 class ParameterAddresses:
-    """indices: positions of the parameters and buffers among a graph's inputs;
-    drop_graphs: forgets the graph's CUDA graphs (they are captured again lazily)."""
+    """indices: positions of the parameters and buffers among a graph's inputs (for `allow`);
+    names: what each address is, for the log; drop_graphs: forgets the graphs that read
+    them (they are captured again lazily); advice: what the warning tells the user;
+    warned: names already warned about, shared by watches that should warn once together."""
 
-    def __init__(self, name: str, indices: Sequence[int], names: Sequence[str], drop_graphs: Callable[[], None]):
+    def __init__(self, name: str, indices: Sequence[int], names: Sequence[str], drop_graphs: Callable[[], None],
+                 *, advice: str = _DYNAMO_ADVICE, warned: set | None = None):
         self.name = name
         self.indices = tuple(indices)
-        self.names = tuple(names)
+        self.names = names
         self.drop_graphs = drop_graphs
+        self.advice = advice
         self.captured: list[int] | None = None  # the addresses the graphs hold
         self._moved: list[int] | None = None  # the addresses of the last call, if they differed
         self.calls_without_graphs = 0
         self.recaptures = 0
-        self._warned = False
+        self._warned = warned if warned is not None else set()
 
     def allow(self, args: Sequence) -> bool:
-        """Whether this call may replay (or capture) graphs."""
-        addresses = [args[i].data_ptr() for i in self.indices]
+        """Whether this call of the graph may replay (or capture) graphs."""
+        return self.allow_addresses([args[i].data_ptr() for i in self.indices])
+
+    def allow_addresses(self, addresses: list[int]) -> bool:
+        """Whether a call whose parameters and buffers lie at `addresses` may replay graphs."""
         if addresses == self.captured:
             self._moved = None
             return True
@@ -56,19 +71,65 @@ class ParameterAddresses:
             return True
         self._moved = addresses
         self.calls_without_graphs += 1
-        if not self._warned:
-            self._warned = True
+        if self.name not in self._warned:
+            self._warned.add(self.name)
             log.warning(
-                "cgcompile: %s was captured with other parameters than this call passes (%s), so "
-                "this call runs without CUDA graphs. Dynamo reuses compiled code for every instance "
-                "of a module class: give each model its own backend (torch.compile(m, "
-                "backend=cgcompile.Backend())) to get graphs for each. Weights replaced by new "
-                "tensors are captured again from the second call that passes them.",
-                self.name, self._first_difference(addresses))
+                "cgcompile: %s was captured with other parameters than this call passes (%s), so this call "
+                "runs without CUDA graphs.%s Weights replaced by new tensors are captured again from the "
+                "second call that passes them; weights updated in place (param.data.copy_) keep the graphs.",
+                self.name, self._first_difference(addresses), f" {self.advice}" if self.advice else "")
         return False
 
     def _first_difference(self, addresses: list[int]) -> str:
+        if len(addresses) != len(self.captured):
+            return f"it has {len(addresses)} parameters and buffers, captured with {len(self.captured)}"
         for name, now, then in zip(self.names, addresses, self.captured):
             if now != then:
                 return f"{name!r} is at {now:#x}, captured at {then:#x}"
         return "no difference"
+
+
+class ModuleTensors:
+    """The addresses of a module's parameters and buffers, read cheaply at every call.
+
+    The slots (each submodule's parameter and buffer dicts) are found once; a call reads
+    one `data_ptr()` per slot. A submodule replaced by another object is noticed too: the
+    slots are found again, and the new module's tensors have other addresses.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.names: list[str] = []
+        self._find_slots()
+
+    def _find_slots(self) -> None:
+        self._slots, self._tree, names = [], [], []
+        for prefix, sub in self.module.named_modules(remove_duplicate=False):
+            for kind in (sub._parameters, sub._buffers):
+                for key, tensor in kind.items():
+                    if tensor is not None and has_address(tensor):
+                        self._slots.append((kind, key))
+                        names.append(f"{prefix}.{key}" if prefix else key)
+            self._tree.extend((sub._modules, key, child) for key, child in sub._modules.items())
+        self.names[:] = names  # in place: a watch holds this list for its messages
+
+    def read(self) -> list[int]:
+        for modules, key, child in self._tree:
+            if modules.get(key) is not child:
+                self._find_slots()
+                break
+        try:
+            return [kind[key].data_ptr() for kind, key in self._slots]
+        except (KeyError, AttributeError):  # a parameter deleted or set to None: find the slots again
+            self._find_slots()
+            return [kind[key].data_ptr() for kind, key in self._slots]
+
+
+def has_address(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory of its own; a wrapper subclass (quantized weights) has
+    none (its data_ptr is 0, or raises, depending on the torch version), nor has an empty
+    tensor."""
+    try:
+        return tensor.data_ptr() != 0
+    except RuntimeError:
+        return False

@@ -241,6 +241,53 @@ def test_clear_drops_graphs_and_later_calls_capture_again():
     assert manager.breakable.graph_count() == 1
 
 
+def _replace_weight(model, how: str) -> None:
+    """Give the first layer new weights without touching the old tensors' memory."""
+    layer = model.layers[0]
+    if how == "parameter":
+        layer.qkv.weight = nn.Parameter(torch.randn_like(layer.qkv.weight))
+    elif how == "data":
+        layer.qkv.weight.data = torch.randn_like(layer.qkv.weight)
+    else:  # a submodule swapped for another
+        up = nn.Linear(layer.up.in_features, layer.up.out_features, bias=False)
+        layer.up = up
+
+
+@pytest.mark.parametrize("how", ["parameter", "data", "submodule"])
+def test_replaced_weights_never_replay_and_are_captured_again(how, caplog):
+    torch.manual_seed(0)
+    model = ToyLlama(2, hidden=32, vocab=64)
+    manager = manager_for(model)
+    runner = runner_of(manager)
+    ids = torch.randint(0, 64, (4,))
+    for _ in range(3):
+        manager.run_pw_graph(model, (ids,))
+    assert runner.graph_count() == 1
+    _replace_weight(model, how)
+    with caplog.at_level(logging.WARNING, logger="cgcompile"):
+        for _ in range(4):  # eager (moved), recaptured (settled: observed again), captured, replayed
+            torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
+    assert runner.weights.calls_without_graphs == 1 and runner.weights.recaptures == 1
+    assert runner.graph_count() == 1
+    moved = [r.getMessage() for r in caplog.records if "runs without CUDA graphs" in r.getMessage()]
+    assert len(moved) == 1 and "layers.0." in moved[0]
+
+
+def test_weights_updated_in_place_keep_their_graphs():
+    torch.manual_seed(0)
+    model = ToyLlama(2, hidden=32, vocab=64)
+    manager = manager_for(model)
+    runner = runner_of(manager)
+    ids = torch.randint(0, 64, (4,))
+    for _ in range(3):
+        manager.run_pw_graph(model, (ids,))
+    with torch.no_grad():
+        model.layers[0].qkv.weight.copy_(torch.randn_like(model.layers[0].qkv.weight))
+    entry = runner.graphs[4][0]
+    torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
+    assert runner.graphs[4][0] is entry and runner.weights.calls_without_graphs == 0
+
+
 def test_segments_argument_is_checked():
     with pytest.raises(cgcompile.ArgumentError, match=r"GraphManager: segments: expected one of \('cuda_graphs', "
                                                       r"'op_replay'\), got 'ops'"):

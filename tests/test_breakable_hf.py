@@ -160,6 +160,25 @@ def test_a_layer_captured_after_the_next_one_still_feeds_it_fresh_values():
     assert [runner.graph_count() for runner in manager.breakable.runners] == [1, 1]  # decode
 
 
+def test_a_new_state_dict_in_new_tensors_is_never_replayed_stale():
+    # One runner per decoder layer: the first that notices moved weights drops the graphs of all.
+    model, donor = tiny_model("llama"), tiny_model("llama")
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.add_(torch.randn_like(p))
+    manager = breakable(model)
+    ids, mask = batch_prompt(2)
+    with manager:
+        generate(model, ids, mask)
+        assert manager.breakable.graph_count() > 0
+        model.load_state_dict(donor.state_dict(), assign=True)  # new tensors, new addresses
+        tokens = [generate(model, ids, mask) for _ in range(2)]
+    expected = generate(donor, ids, mask)
+    assert all(torch.equal(t, expected) for t in tokens)
+    assert manager.breakable.graph_count() > 0  # captured again
+    assert sum(r.weights.recaptures for r in manager.breakable.runners) >= 1
+
+
 def test_capturing_the_whole_stack_finds_decode_uncapturable_and_stays_correct(caplog):
     # The stack's forward reads the cache length to build positions and masks: a graph
     # would freeze them. The integration's guard sees the read and keeps those calls eager.

@@ -201,6 +201,27 @@ def test_clear_then_recapture():
     assert manager.breakable.graph_count() == 1
 
 
+@pytest.mark.parametrize("how", ["parameter", "data"])
+def test_replaced_weights_are_never_replayed_stale_and_are_captured_again(how):
+    # One runner: dropping its graphs empties the pool, so the recapture needs a fresh one.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = _toy()
+    manager = cgcompile.GraphManager(model, _config())
+    (runner,) = manager.breakable.runners
+    ids = torch.randint(0, 128, (4,), device="cuda")
+    for _ in range(3):
+        manager.run_pw_graph(model, (ids,))
+    qkv = model.layers[0].qkv
+    if how == "parameter":
+        qkv.weight = nn.Parameter(torch.randn_like(qkv.weight))
+    else:
+        qkv.weight.data = torch.randn_like(qkv.weight)
+    for _ in range(4):  # eager (moved), dropped and observed, captured, replayed
+        torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
+    assert runner.weights.calls_without_graphs == 1 and runner.weights.recaptures == 1
+    assert runner.graph_count() == 1
+
+
 _FORKS_BEFORE_A_BREAK = """
 from cgcompile.testing import SILLY_OP
 class Forks(torch.nn.Module):

@@ -74,6 +74,23 @@ def test_long_generation_stays_equal_to_eager():
     assert manager.breakable.graph_count() == 2
 
 
+def test_a_new_state_dict_in_new_tensors_is_never_replayed_stale():
+    model, donor = cuda_model("llama"), cuda_model("llama")
+    with torch.no_grad():
+        for p in donor.parameters():
+            p.add_(torch.randn_like(p))
+    ids, mask = cuda_prompt(2)
+    expected = generate(donor, ids, mask)
+    manager = cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True))
+    with manager.install():
+        generate(model, ids, mask)
+        model.load_state_dict(donor.state_dict(), assign=True)  # new tensors, new addresses
+        got = [generate(model, ids, mask) for _ in range(2)]
+    assert all(torch.equal(g, expected) for g in got)
+    assert manager.breakable.graph_count() > 0
+    assert sum(runner.weights.recaptures for runner in manager.breakable.runners) >= 1
+
+
 def test_a_hook_observing_a_layer_gets_a_copy_of_its_output():
     model = cuda_model("qwen2")
     ids, mask = cuda_prompt(2)
