@@ -24,7 +24,8 @@ batch 1 and 8. Variants:
     cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
                     graph the attention pieces are compiled, as batched matmuls over the keys
     cgcompile-static-whole-sq  cgcompile-static-whole with the same
-    cgcompile-fused, cgcompile-static-sq-fused  cgcompile and cgcompile-static-sq with
+    cgcompile-fused, cgcompile-static-sq-fused, cgcompile-static-whole-sq-fused  cgcompile,
+                    cgcompile-static-sq and cgcompile-static-whole-sq with
                     Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
@@ -200,7 +201,9 @@ VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3grap
             "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),
             "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True),
             "cgcompile-fused": functools.partial(setup_cgcompile, fused=True),
-            "cgcompile-static-sq-fused": functools.partial(setup_cgcompile_static, small_query=True, fused=True)}
+            "cgcompile-static-sq-fused": functools.partial(setup_cgcompile_static, small_query=True, fused=True),
+            "cgcompile-static-whole-sq-fused": functools.partial(setup_cgcompile_static, whole=True, small_query=True,
+                                                                 fused=True)}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -403,9 +406,8 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
         result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
     if any(r.variant == "breakable" for r in rows):
         result += breakable_targets(rows, batches)
-    for full in ("cgcompile-static", "cgcompile-static-whole", "cgcompile-static-sq", "cgcompile-static-whole-sq"):
-        if any(r.variant == full for r in rows):
-            result += full_graph_targets(rows, batches, full)
+    for full in sorted({r.variant for r in rows if r.variant.startswith("cgcompile-static")}):
+        result += full_graph_targets(rows, batches, full)
     return result
 
 
