@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import json
 import os
 import platform
@@ -170,11 +171,28 @@ def environment(device: torch.device | str, **extra) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "cuda": torch.version.cuda,
     }
-    with contextlib.suppress(Exception):
+    env["source_digest"] = source_digest()
+    with contextlib.suppress(Exception):  # may lag where the tree was copied without its history
         env["git_commit"] = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     return env | extra
+
+
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the library's sources, cgcompile/ and passes/ by path: ties
+    a result to the code that made it even where `git rev-parse` is stale (a working tree
+    copied to another machine). `git show REV:path` per file recomputes it for a commit."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder in ("cgcompile", "passes"):
+        for base, _, files in sorted(os.walk(os.path.join(root, folder))):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(base, name)
+                digest.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def default_out(filename: str) -> str:
