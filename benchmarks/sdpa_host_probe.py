@@ -8,6 +8,8 @@ decode attention of `passes.sdpa.grouped_query_attention` (q [B, KV, G, D] over 
 
     sdpa            F.scaled_dot_product_attention (backend chosen per call), cuDNN off,
                     as cgcompile runs its eager pieces
+    sdpa_gqa        the same attention as transformers' sdpa_attention_forward calls it:
+                    q [B, KV*G, 1, D], enable_gqa=True (what the breakable path runs)
     flash_op        torch.ops.aten._scaled_dot_product_flash_attention: the kernel SDPA
                     picks here, without the choosing
     efficient_op    torch.ops.aten._scaled_dot_product_efficient_attention
@@ -34,6 +36,11 @@ def forms(q, k, v):
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v)
 
+    heads = q.view(q.shape[0], -1, 1, q.shape[-1])  # [B, KV*G, 1, D]: one row per query head
+
+    def sdpa_gqa():
+        return F.scaled_dot_product_attention(heads, k, v, enable_gqa=True).view(q.shape)
+
     def flash_op():
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[0]
 
@@ -45,7 +52,7 @@ def forms(q, k, v):
     def cat():
         return torch.cat([k, new], dim=-2)
 
-    return {"sdpa": sdpa, "flash_op": flash_op, "efficient_op": efficient_op, "cat": cat}
+    return {"sdpa": sdpa, "sdpa_gqa": sdpa_gqa, "flash_op": flash_op, "efficient_op": efficient_op, "cat": cat}
 
 
 def host_us(fn, calls: int = 200, repeats: int = 15) -> float:
@@ -62,14 +69,14 @@ def host_us(fn, calls: int = 200, repeats: int = 15) -> float:
 def main() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
     print(harness.environment("cuda"))
-    print(f"{'B':>3} {'L':>5} " + " ".join(f"{name:>13}" for name in ("sdpa", "flash_op", "efficient_op", "cat")))
+    print(f"{'B':>3} {'L':>5} " + " ".join(f"{name:>13}" for name in ("sdpa", "sdpa_gqa", "flash_op", "efficient_op", "cat")))
     for batch in (1, 8):
         for length in (256, 1024):
             q = torch.randn(batch, 8, 4, 64, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(batch, 8, length, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             calls = forms(q, k, v)
             reference = calls["sdpa"]()
-            for name in ("flash_op", "efficient_op"):
+            for name in ("sdpa_gqa", "flash_op", "efficient_op"):
                 torch.testing.assert_close(calls[name](), reference, rtol=2e-2, atol=2e-2)
             times = {name: host_us(fn) for name, fn in calls.items()}
             print(f"{batch:>3} {length:>5} " + " ".join(f"{times[n]:>13.1f}" for n in times))
