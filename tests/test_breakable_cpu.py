@@ -253,16 +253,22 @@ def _replace_weight(model, how: str) -> None:
         layer.up = up
 
 
-@pytest.mark.parametrize("how", ["parameter", "data", "submodule"])
-def test_replaced_weights_never_replay_and_are_captured_again(how, caplog):
+def _captured_toy():
+    """A ToyLlama whose size-4 graph is captured and replayed once: (model, manager, runner, ids)."""
     torch.manual_seed(0)
     model = ToyLlama(2, hidden=32, vocab=64)
     manager = manager_for(model)
-    runner = runner_of(manager)
     ids = torch.randint(0, 64, (4,))
     for _ in range(3):
         manager.run_pw_graph(model, (ids,))
+    runner = runner_of(manager)
     assert runner.graph_count() == 1
+    return model, manager, runner, ids
+
+
+@pytest.mark.parametrize("how", ["parameter", "data", "submodule"])
+def test_replaced_weights_never_replay_and_are_captured_again(how, caplog):
+    model, manager, runner, ids = _captured_toy()
     _replace_weight(model, how)
     with caplog.at_level(logging.WARNING, logger="cgcompile"):
         for _ in range(4):  # eager (moved), recaptured (settled: observed again), captured, replayed
@@ -274,13 +280,7 @@ def test_replaced_weights_never_replay_and_are_captured_again(how, caplog):
 
 
 def test_weights_updated_in_place_keep_their_graphs():
-    torch.manual_seed(0)
-    model = ToyLlama(2, hidden=32, vocab=64)
-    manager = manager_for(model)
-    runner = runner_of(manager)
-    ids = torch.randint(0, 64, (4,))
-    for _ in range(3):
-        manager.run_pw_graph(model, (ids,))
+    model, manager, runner, ids = _captured_toy()
     with torch.no_grad():
         model.layers[0].qkv.weight.copy_(torch.randn_like(model.layers[0].qkv.weight))
     entry = runner.graphs[4][0]

@@ -128,17 +128,24 @@ def test_a_hook_observing_a_layer_gets_a_copy_of_its_output():
         assert all(torch.equal(x, y) for x, y in zip(a, b)), step
 
 
+def decode_through_the_manager(model, manager, steps: int, before_step=lambda step: None) -> None:
+    """Prefill and greedy decode through run_pw_graph with a DynamicCache, each call's
+    logits compared with the eager model's on a cache of its own."""
+    ids = torch.randint(3, 128, (1, 6))
+    cache, reference_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    for step in range(steps):
+        before_step(step)
+        out = manager.run_pw_graph(model, {"input_ids": ids, "past_key_values": cache, "use_cache": True})
+        ref = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
+        assert torch.equal(out.logits, ref.logits), f"step {step}"
+        ids = ref.logits[:, -1:].argmax(-1)
+
+
 def test_the_issue_loop_run_pw_graph_with_a_dynamic_cache():
     # The call that failed in issue 15: decode after prefill, through run_pw_graph, no install.
     model = tiny_model("llama")
     manager = breakable(model)
-    ids = torch.randint(3, 128, (1, 6))
-    cache, reference_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
-    for _ in range(6):
-        out = manager.run_pw_graph(model, {"input_ids": ids, "past_key_values": cache, "use_cache": True})
-        ref = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
-        assert torch.equal(out.logits, ref.logits)
-        ids = ref.logits[:, -1:].argmax(-1)
+    decode_through_the_manager(model, manager, 6)
     assert "forward" not in vars(model.model.layers[0])  # installed for each call only
     assert manager.breakable.graph_count() == 2
 
@@ -148,15 +155,12 @@ def test_a_layer_captured_after_the_next_one_still_feeds_it_fresh_values():
     # its own; each later replay must copy again (a replay rewrites the output in place).
     model = tiny_model("llama")
     manager = breakable(model)
-    ids = torch.randint(3, 128, (1, 6))
-    cache, reference_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
-    for step in range(9):
+
+    def drop_layer_0(step):
         if step == 4:
             manager.breakable.runners[0].clear()  # layer 0 captures again; layer 1 keeps its graph
-        out = manager.run_pw_graph(model, {"input_ids": ids, "past_key_values": cache, "use_cache": True})
-        ref = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
-        assert torch.equal(out.logits, ref.logits), f"step {step}"
-        ids = ref.logits[:, -1:].argmax(-1)
+
+    decode_through_the_manager(model, manager, 9, drop_layer_0)
     assert [runner.graph_count() for runner in manager.breakable.runners] == [1, 1]  # decode
 
 
