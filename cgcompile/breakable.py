@@ -160,7 +160,7 @@ class BreakableRunner:
         # Segments read the module's parameters and buffers in place: a call whose tensors
         # moved (replaced, not updated in place) must not replay (`parameter_addresses`).
         self._tensors = ModuleTensors(module)
-        self.weights = ParameterAddresses(
+        self.addresses = ParameterAddresses(
             self.name, (), self._tensors.names, self.group.drop_graphs, warned=self.group.logged, advice="")
         self.group.add(self)
         session.register(self)
@@ -185,7 +185,7 @@ class BreakableRunner:
         leaves, structure = flatten_call(args, kwargs)
         n = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
         size = self.sizes.size_for(n) if n else None
-        if size is None or not self.weights.allow_addresses(self._tensors.read()):
+        if size is None or not self.addresses.allow_addresses(self._tensors.read()):
             return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
         if decision.action is Action.REPLAY:

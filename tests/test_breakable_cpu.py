@@ -273,7 +273,7 @@ def test_replaced_weights_never_replay_and_are_captured_again(how, caplog):
     with caplog.at_level(logging.WARNING, logger="cgcompile"):
         for _ in range(4):  # eager (moved), recaptured (settled: observed again), captured, replayed
             torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
-    assert runner.weights.calls_without_graphs == 1 and runner.weights.recaptures == 1
+    assert runner.addresses.calls_without_graphs == 1 and runner.addresses.recaptures == 1
     assert runner.graph_count() == 1
     moved = [r.getMessage() for r in caplog.records if "runs without CUDA graphs" in r.getMessage()]
     assert len(moved) == 1 and "layers.0." in moved[0]
@@ -285,7 +285,7 @@ def test_weights_updated_in_place_keep_their_graphs():
         model.layers[0].qkv.weight.copy_(torch.randn_like(model.layers[0].qkv.weight))
     entry = runner.graphs[4][0]
     torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
-    assert runner.graphs[4][0] is entry and runner.weights.calls_without_graphs == 0
+    assert runner.graphs[4][0] is entry and runner.addresses.calls_without_graphs == 0
 
 
 def test_segments_argument_is_checked():

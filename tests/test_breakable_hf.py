@@ -180,7 +180,7 @@ def test_a_new_state_dict_in_new_tensors_is_never_replayed_stale():
     expected = generate(donor, ids, mask)
     assert all(torch.equal(t, expected) for t in tokens)
     assert manager.breakable.graph_count() > 0  # captured again
-    assert sum(r.weights.recaptures for r in manager.breakable.runners) >= 1
+    assert sum(r.addresses.recaptures for r in manager.breakable.runners) >= 1
 
 
 def test_capturing_the_whole_stack_finds_decode_uncapturable_and_stays_correct(caplog):

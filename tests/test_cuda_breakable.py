@@ -218,7 +218,7 @@ def test_replaced_weights_are_never_replayed_stale_and_are_captured_again(how):
         qkv.weight.data = torch.randn_like(qkv.weight)
     for _ in range(4):  # eager (moved), dropped and observed, captured, replayed
         torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids), rtol=1e-5, atol=1e-5)
-    assert runner.weights.calls_without_graphs == 1 and runner.weights.recaptures == 1
+    assert runner.addresses.calls_without_graphs == 1 and runner.addresses.recaptures == 1
     assert runner.graph_count() == 1
 
 

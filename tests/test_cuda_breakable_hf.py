@@ -88,7 +88,7 @@ def test_a_new_state_dict_in_new_tensors_is_never_replayed_stale():
         got = [generate(model, ids, mask) for _ in range(2)]
     assert all(torch.equal(g, expected) for g in got)
     assert manager.breakable.graph_count() > 0
-    assert sum(runner.weights.recaptures for runner in manager.breakable.runners) >= 1
+    assert sum(runner.addresses.recaptures for runner in manager.breakable.runners) >= 1
 
 
 def test_a_hook_observing_a_layer_gets_a_copy_of_its_output():
