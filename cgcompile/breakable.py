@@ -8,7 +8,8 @@ eagerly, and records the next segment into the same pool. Replay walks the recor
 steps: segment, eager step, segment, ...
 
 Which calls replay which graph is the signature rule of `breakable_signature`: per size
-(dim 0 of the first tensor input, padded to a capture size, or exact), one graph per call
+(dim 0 of the first tensor input, exact; padded to a capture size only with
+`Config(padding=True)`, see `BreakableRunner`), one graph per call
 signature (the shapes of the tensors captured ops read, the Python values frozen at
 capture); a new signature is first observed (run eagerly under the recorder), and captured
 when two calls in a row of that size have it. So a prefill runs eagerly and the decode
@@ -123,10 +124,16 @@ class _BreakableGraph:
 class BreakableRunner:
     """Replays `module.forward` from breakable graphs: per size, one per call signature.
 
-    The size of a call is dim 0 of its first tensor input: the smallest capture size
-    >= it, or the exact count when `exact_sizes` (default: `Config.padding is False`), at
-    most `Config.exact_size_limit` of them. Inputs whose dim 0 is the call's count are
-    padded (padding rows zeroed), outputs cut back. Calls above the largest size run eagerly.
+    The size of a call is dim 0 of its first tensor input: the exact count, at most
+    `Config.exact_size_limit` of them, or with `exact_sizes=False` the smallest capture
+    size >= it. Padded calls get their inputs whose dim 0 is the call's count padded
+    (padding rows zeroed) and outputs cut back. Calls above the largest size run eagerly.
+
+    Padding is sound only when no padding row reaches a real row's result (no mean, sort
+    or softmax over dim 0). The compiled path proves that on the graph
+    (`passes.padding_safety`); here there is no graph to prove it on, so a runner pads only
+    when told to: `exact_sizes=False`, or by default `Config(padding=True)`, the user's
+    word that the module's rows never mix.
 
     segments: "cuda_graphs", or "op_replay" (`breakable_segments.OpReplay`: the same
         bookkeeping on any device, segments re-run op by op; for tests and checking).
@@ -153,8 +160,13 @@ class BreakableRunner:
         self.recording_hooks = recording_hooks if recording_hooks is not None else contextlib.nullcontext()
         self.clone_outputs = (not config.reuse_output_buffers) if clone_outputs is None else clone_outputs
         self.name = log_name or type(module).__name__
-        exact = config.padding is False if exact_sizes is None else exact_sizes
+        exact = config.padding is not True if exact_sizes is None else exact_sizes
         self.sizes = SizePolicy(session.padding, exact=exact, limit=config.exact_size_limit, name=self.name)
+        if exact_sizes is None and config.padding is None and ("exact sizes",) not in self.group.logged:
+            self.group.logged.add(("exact sizes",))
+            log.info("cgcompile: %s: breakable graphs run at the exact sizes called (at most %d): with no graph "
+                     "to prove that padding rows never reach real rows, they pad only with Config(padding=True), "
+                     "your word that the module's rows never mix", self.name, config.exact_size_limit)
         self.rule = SignatureRule(self.name, self.group.logged)
         self._forward = module.forward
         # Segments read the module's parameters and buffers in place: a call whose tensors

@@ -65,7 +65,8 @@ class Config:
         them even without graphs (on CPU too: how the tests exercise padding); False never
         pads (every graph is captured at the exact sizes seen). A Dynamo graph whose
         capturable code mixes rows along the capture dimension is never padded, whatever
-        this says (see `cgcompile.passes.padding_safety`).
+        this says (see `cgcompile.passes.padding_safety`). Breakable graphs, which have no
+        graph to check, pad only with True: the user's word that rows never mix.
     capturable_split_ops: split ops that may be captured into one full graph of the whole
         Dynamo graph ("attention", op objects or "ns::op[.overload]"; see
         `cgcompile.capturable_ops`). A call replays the full graph when every host value

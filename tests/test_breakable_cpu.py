@@ -31,7 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def manager_for(model, boundary=None, **config):
-    fields = dict(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True) | config
+    # padding=True: these models' rows never mix (the user's word, which breakable graphs need to pad).
+    fields = dict(splitting_ops=(SILLY_OP,), capture_sizes=SIZES, use_breakable=True, padding=True) | config
     return cgcompile.GraphManager(model, cgcompile.Config(**fields), boundary=boundary, segments="op_replay")
 
 
@@ -286,6 +287,33 @@ def test_weights_updated_in_place_keep_their_graphs():
     entry = runner.graphs[4][0]
     torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
     assert runner.graphs[4][0] is entry and runner.addresses.calls_without_graphs == 0
+
+
+class RowMixing(nn.Module):
+    """Centres over dim 0 and normalises over it: a padding row would change every real row."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):  # x: [N, 8]
+        h = self.a(x)
+        h = torch.ops.cgcompile_testing.silly_attention(h - h.mean(0, keepdim=True), h, h)
+        return self.b(h).softmax(0)
+
+
+def test_breakable_graphs_pad_only_when_told_rows_never_mix():
+    torch.manual_seed(0)
+    model = RowMixing()
+    manager = manager_for(model, padding=None)  # the default: exact sizes, as nothing proves padding safe
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+    assert sorted(runner_of(manager).graphs) == [3]
+    padded = manager_for(model, padding=True)  # the user's word: here a wrong one
+    x = torch.randn(3, 8)
+    padded.run_pw_graph(model, (x,))
+    assert runner_of(padded).sizes.size_for(3) == 4
 
 
 def test_segments_argument_is_checked():
