@@ -35,6 +35,7 @@ job fuzz_whole python3 -m cgcompile.fuzz --cases 20 --seed 4000 --device cuda --
   --full-graph whole
 job fuzz_fused python3 -m cgcompile.fuzz --cases 300 --seed 5000 --device cuda --padding none --full-graph pieces \
   --fuse-sibling-linears
+job fuzz_breakable python3 -m cgcompile.fuzz --cases 400 --seed 6000 --device cuda --padding none --path breakable
 job example_sq python3 examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention \
   --batch 3 --new-tokens 32
 job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \

@@ -14,7 +14,8 @@ data: capture and run) and returns what replays it, or None for a segment withou
   OpReplay           each segment is the list of ops it ran, re-run at replay on the same
                      tensors, their results copied into the recorded outputs: what a CUDA
                      graph does (fixed addresses, shapes and Python values frozen at
-                     capture), on any device. Tests use it on the CPU; it shows whether a
+                     capture; in-place view ops such as `squeeze_`, which only change a
+                     tensor object's shape, are not re-run), on any device. Tests use it on the CPU; it shows whether a
                      model's breaks are right before a GPU is at hand. No speed-up.
 """
 
@@ -89,7 +90,11 @@ class OpReplay:
         return []
 
     def record(self, ops: list, func, args, kwargs, out) -> None:
-        ops.append((func, args, kwargs, _tensors(out)))
+        if torch.Tag.inplace_view in func.tags:
+            return  # squeeze_, t_, ...: a change of the tensor object's shape, made once, as in a graph
+        # Aliases (`detach`) keep each result's shape and strides as they were made, whatever
+        # an in-place view op does to the result's tensor object later.
+        ops.append((func, args, kwargs, [t.detach() for t in _tensors(out)]))
 
     def end(self, ops: list, name: str, empty: bool) -> Callable[[], None] | None:
         return None if empty else _OpList(ops).replay

@@ -3,13 +3,16 @@ cgcompile and compared with eager at sizes on and off the capture sizes.
 
     python -m cgcompile.fuzz --cases 2000 --seed 0 [--compiler eager|inductor|both]
                              [--device cpu|cuda] [--padding true|none|false]
-                             [--full-graph off|pieces|whole]
+                             [--full-graph off|pieces|whole] [--path compiled|breakable]
 
 A case is one seed: `generate(seed)` builds a `Program` (a model written as Python
 source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles one instance
-with `cgcompile.Backend` and compares it with another, run eagerly, at a few sizes of
-the capture dimension (`case_sizes`: a capture size, one between capture sizes, one
-above the largest). A failure is shrunk (`shrink`: drop sizes and steps while it
+with `cgcompile.Backend` (or runs it from breakable graphs: `--path breakable`) and
+compares it with another, run eagerly, at a few sizes of the capture dimension
+(`case_sizes`: a capture size, one between capture sizes, one above the largest). Where
+a size is called more than once in a row (full graphs, breakable graphs: observe,
+capture, replay), each call's float inputs are scaled differently, so that a replay
+reading what an earlier call left behind shows. A failure is shrunk (`shrink`: drop sizes and steps while it
 persists) and reported as a standalone script (`reproducer`); `run_campaign` groups
 failures into classes by the productions their shrunk programs keep.
 
@@ -43,7 +46,7 @@ from .config import Config
 from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
 
 __all__ = [
-    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
+    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PATHS", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
     "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink", "source",
 ]
 
@@ -68,6 +71,7 @@ def case_sizes(seed: int) -> tuple[int, ...]:
 
 
 FULL_GRAPH_MODES = ("off", "pieces", "whole")
+PATHS = ("compiled", "breakable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,19 +81,32 @@ class Setup:
     host-side inputs repeat replays one graph of the pieces' code); "whole" (the same, the
     full graph being the whole graph compiled as one: `Config.full_graph_compile`). With
     full graphs each size is called `calls` times in a row: the first call of a size runs
-    piecewise, the second captures, the third replays. fuse_sibling_linears: the Config field."""
+    piecewise, the second captures, the third replays. fuse_sibling_linears: the Config field.
+    path "breakable": no compile; `GraphManager` runs the model from breakable graphs
+    (`op_replay` segments on the CPU), each size called three times (observe, capture,
+    replay); the compiler and full-graph fields do not apply, and padding=True pads on the
+    user's word that rows never mix (a row-mixing program then fails, as documented)."""
 
     compiler: str = "eager"
     device: str = "cpu"
     padding: bool | None = True
     full_graph: str = "off"
     fuse_sibling_linears: bool = False
+    path: str = "compiled"
 
     @property
     def calls(self) -> int:
-        return 1 if self.full_graph == "off" else 3
+        return 1 if self.full_graph == "off" and self.path == "compiled" else 3
+
+    @property
+    def segments(self) -> str:
+        return "op_replay" if self.device == "cpu" else "cuda_graphs"
 
     def config_source(self) -> str:
+        if self.path == "breakable":
+            return (f"cgcompile.Config(capture_sizes={CAPTURE_SIZES}, padding={self.padding}, "
+                    f"splitting_ops=cgcompile.testing.FUZZ_SPLIT_OPS, use_breakable=True, "
+                    f"cudagraphs={self.device == 'cuda' or None})")
         full = ""
         if self.full_graph != "off":
             full = (f", capturable_split_ops=cgcompile.testing.FUZZ_SPLIT_OPS + ('attention',), "
@@ -103,6 +120,9 @@ class Setup:
     def config(self) -> Config:
         from .testing import FUZZ_SPLIT_OPS
 
+        if self.path == "breakable":  # on CUDA, graphs whether or not the model has parameters
+            return Config(capture_sizes=CAPTURE_SIZES, padding=self.padding, splitting_ops=FUZZ_SPLIT_OPS,
+                          use_breakable=True, cudagraphs=self.device == "cuda" or None)
         full = {}
         if self.full_graph != "off":
             full = dict(capturable_split_ops=FUZZ_SPLIT_OPS + ("attention",),
@@ -125,6 +145,7 @@ class Outcome:
     padded: bool = False  # some graph ran padded to the capture sizes (`Piece.sizes`)
     full_calls: int = 0  # calls that took the full path (Setup.full_graph)
     fused_linears: int = 0  # linears fused away (Setup.fuse_sibling_linears)
+    breakable_graphs: int = 0  # breakable graphs captured (Setup.path "breakable")
 
     @property
     def kind(self) -> str:
@@ -136,24 +157,17 @@ FAILURES = ("mismatch", "error", "invalid")
 
 
 def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
-    """Compile the program with cgcompile and compare it with eager at each size, in order."""
+    """Compile the program with cgcompile (or run it from breakable graphs) and compare it
+    with eager at each size, in order."""
     torch._dynamo.reset()
     namespace = load(program)
     # Two instances, equal by their seeded initialization: a model may write its buffers.
     reference, model = namespace["Model"]().to(setup.device), namespace["Model"]().to(setup.device)
+    if setup.path == "breakable":
+        return _run_breakable(program, namespace, reference, model, sizes, setup)
     backend = Backend(setup.config())
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    names = [v.name for v in program.outputs]
-    outcome = Outcome("ok")
-    with _grad_mode(program), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for n in sizes:
-            for _ in range(setup.calls):
-                outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names)
-                if outcome.status != "ok":
-                    break
-            if outcome.status != "ok":
-                break
+    outcome = _run_sizes(program, namespace, reference, compiled, sizes, setup)
     if setup.device == "cuda":
         backend.clear()  # return the case's graph pool before the next case
     tried = sizes[: sizes.index(outcome.size) + 1] if outcome.status == "error" else ()
@@ -166,8 +180,38 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
                                fused_linears=stats.fused_linears)
 
 
-def _run_size(make_inputs, reference, compiled, n: int, device: str, names) -> Outcome:
+def _run_breakable(program: Program, namespace: dict, reference, model, sizes, setup: Setup) -> Outcome:
+    from .manager import GraphManager
+
+    manager = GraphManager(model, setup.config(), boundary=None, segments=setup.segments)
+    outcome = _run_sizes(program, namespace, reference, lambda *inputs: manager.run_pw_graph(model, inputs),
+                         sizes, setup)
+    graphs = manager.breakable.graph_count()
+    if setup.device == "cuda":
+        manager.clear()  # return the case's graph pool before the next case
+    return dataclasses.replace(outcome, breakable_graphs=graphs)
+
+
+def _run_sizes(program: Program, namespace: dict, reference, compiled, sizes, setup: Setup) -> Outcome:
+    """Each size `setup.calls` times in a row, in order; the first outcome that is not ok."""
+    names = [v.name for v in program.outputs]
+    with _grad_mode(program), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in sizes:
+            for call in range(setup.calls):
+                outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names, call)
+                if outcome.status != "ok":
+                    return outcome
+    return Outcome("ok")
+
+
+def _run_size(make_inputs, reference, compiled, n: int, device: str, names, call: int = 0) -> Outcome:
     inputs = make_inputs(n, device)
+    if call:  # other data than the call before: a replay that reads stale inputs differs
+        with torch.no_grad():
+            for t in inputs:
+                if t.is_floating_point():
+                    t.mul_(1.0 + 0.5 * call)
     before = copy.deepcopy(reference)  # its buffers as they were before this call
     try:
         want = reference(*inputs)
@@ -325,7 +369,8 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
     lines = [
         f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
         f"--compiler {setup.compiler} --device {setup.device} --padding {padding} --full-graph {setup.full_graph}"
-        + (" --fuse-sibling-linears" if setup.fuse_sibling_linears else ""),
+        + (" --fuse-sibling-linears" if setup.fuse_sibling_linears else "")
+        + (f" --path {setup.path}" if setup.path != "compiled" else ""),
         f"# productions ({program.mode}): {', '.join(program.productions)}",
     ]
     if outcome is not None and outcome.status != "ok":
@@ -335,15 +380,25 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         "",
         f"model, reference = Model().to({setup.device!r}), Model().to({setup.device!r})  # equal: seeded",
         f"config = {setup.config_source()}",
-        "compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)",
+        *_compiled_source(setup),
         f"with torch.{'inference_mode' if program.inference_mode else 'no_grad'}():",
-        f"    for n in {tuple(n for n in sizes for _ in range(setup.calls))}:",
+        f"    for n, call in {tuple((n, call) for n in sizes for call in range(setup.calls))}:",
         f"        inputs = make_inputs(n, {setup.device!r})",
+        "        for t in inputs:  # each call of a size its own data, as the fuzzer runs it",
+        "            if t.is_floating_point():",
+        "                t.mul_(1.0 + 0.5 * call)",
         "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4,",
         "                                   equal_nan=True, msg=lambda m: f'n={n}: {m}')",
         "print('ok')",
     ]
     return "\n".join(lines) + "\n" + HEADER + source(program) + "\n".join(harness) + "\n"
+
+
+def _compiled_source(setup: Setup) -> list[str]:
+    if setup.path == "breakable":
+        return [f"manager = cgcompile.GraphManager(model, config, boundary=None, segments={setup.segments!r})",
+                "compiled = lambda *inputs: manager.run_pw_graph(model, inputs)"]
+    return ["compiled = torch.compile(model, backend=cgcompile.Backend(config), fullgraph=True)"]
 
 
 # -- many cases: classes of failures ---------------------------------------------------------
@@ -374,6 +429,7 @@ class Report:
     padded: int = 0  # cases in which some graph ran padded
     full_calls: int = 0  # calls that took the full path, over all cases
     fused_linears: int = 0  # linears fused away, over all cases
+    breakable_graphs: int = 0  # breakable graphs captured, over all cases
     recompiled: list[int] = dataclasses.field(default_factory=list)  # seeds Dynamo compiled more than expected
     classes: list[FailureClass] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -390,6 +446,7 @@ class Report:
             detail = ", ".join(f"{s} {c}" for s, c in sorted(by_status.items()))
             lines.append(f"compiler={compiler}: {total} cases: {detail}")
         fused = f"{self.fused_linears} linears fused; " if self.fused_linears else ""
+        fused += f"{self.breakable_graphs} breakable graphs captured; " if self.breakable_graphs else ""
         lines.append(f"padded in {self.padded} cases; {self.full_calls} calls took the full path; {fused}"
                      f"{self.failures} failures in {len(self.classes)} classes, {self.seconds:.0f} s")
         if self.recompiled:
@@ -418,6 +475,7 @@ def run_campaign(
             report.padded += outcome.padded
             report.full_calls += outcome.full_calls
             report.fused_linears += outcome.fused_linears
+            report.breakable_graphs += outcome.breakable_graphs
             if outcome.status == "ok" and outcome.graphs > 1 + (1 in sizes):
                 report.recompiled.append(seed)
             on_case(seed, setup, outcome)
@@ -457,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="declare every split op capturable (pieces), and compile full graphs whole (whole)")
     parser.add_argument("--fuse-sibling-linears", action="store_true",
                         help="compile with Config(fuse_sibling_linears=True)")
+    parser.add_argument("--path", choices=PATHS, default="compiled",
+                        help="compiled: cgcompile's backend; breakable: GraphManager's breakable graphs, no compile")
     parser.add_argument("--shrink-budget", type=float, default=60.0, help="seconds to shrink each new class")
     parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
     args = parser.parse_args(argv)
@@ -475,7 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _setups(args) -> list[Setup]:
     padding = {"true": True, "none": None, "false": False}[args.padding]
     compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
-    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears) for c in compilers]
+    if args.path == "breakable":
+        compilers = ("eager",)  # nothing is compiled: one run per case
+    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears, args.path) for c in compilers]
 
 
 def _print_class(cls: FailureClass) -> None:

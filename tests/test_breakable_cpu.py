@@ -316,6 +316,31 @@ def test_breakable_graphs_pad_only_when_told_rows_never_mix():
     assert runner_of(padded).sizes.size_for(3) == 4
 
 
+class ReshapesInPlace(nn.Module):
+    """In-place view ops (`t_`, `unsqueeze_`) change a tensor object's shape, not its data."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):  # x: [N, 8]
+        h = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        y = self.a(h) * 2.0
+        y.t_()  # [8, N]
+        y.unsqueeze_(0)  # [1, 8, N]
+        return y + 1.0
+
+
+def test_op_replay_runs_in_place_view_ops_once_as_a_graph_does():
+    torch.manual_seed(0)
+    model = ReshapesInPlace()
+    manager = manager_for(model)
+    for _ in range(4):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+    assert runner_of(manager).graph_count() == 1
+
+
 def test_segments_argument_is_checked():
     with pytest.raises(cgcompile.ArgumentError, match=r"GraphManager: segments: expected one of \('cuda_graphs', "
                                                       r"'op_replay'\), got 'ops'"):

@@ -132,9 +132,11 @@ GPU_SEEDS = range(1000)
 GPU_INDUCTOR_SEEDS = range(0, 1000, 20)
 
 
-def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int, int]:
+def _fuzz(seeds, setup: fuzz.Setup, bugs=None) -> tuple[list[str], list[str], int, int]:
     """Run the seeds; returns (failures through known bugs, one line each; shrunk
-    reproducers of every other failure; calls that took the full path; linears fused)."""
+    reproducers of every other failure; calls that took the full path; linears fused).
+    bugs: the known bugs (default KNOWN_BUGS, the compiled path's)."""
+    bugs = KNOWN_BUGS if bugs is None else bugs
     known, new, full_calls, fused = [], [], 0, 0
     for seed in seeds:
         program, sizes = fuzz.generate(seed), fuzz.case_sizes(seed)
@@ -143,9 +145,9 @@ def _fuzz(seeds, setup: fuzz.Setup) -> tuple[list[str], list[str], int, int]:
         fused += outcome.fused_linears
         if outcome.status not in fuzz.FAILURES:
             continue
-        bugs = [bug.what for bug in KNOWN_BUGS if bug.explains(program)]
-        if bugs:
-            known.append(f"seed {seed}: {outcome.status} at n={outcome.size} ({'; '.join(bugs)})")
+        explained = [bug.what for bug in bugs if bug.explains(program)]
+        if explained:
+            known.append(f"seed {seed}: {outcome.status} at n={outcome.size} ({'; '.join(explained)})")
         else:
             check = functools.partial(fuzz.run_case, setup=setup)
             program, sizes, outcome = fuzz.shrink(program, sizes, outcome, check, budget_s=30)
@@ -206,14 +208,16 @@ def test_programs_trace_as_one_graph_and_agree_with_eager_unpadded():
         assert outcome.graphs == 1 + (1 in sizes), seed
 
 
-@pytest.mark.parametrize("full_graph", ["off", "pieces"])
-def test_reproducer_runs_standalone(full_graph):
+@pytest.mark.parametrize("full_graph, path", [("off", "compiled"), ("pieces", "compiled"), ("off", "breakable")])
+def test_reproducer_runs_standalone(full_graph, path):
     program = fuzz.generate(3)
-    script = fuzz.reproducer(program, (5, 2), fuzz.Setup(full_graph=full_graph))
+    script = fuzz.reproducer(program, (5, 2), fuzz.Setup(full_graph=full_graph, path=path, padding=None))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
-    assert "class Model(torch.nn.Module)" in script and "torch.compile(model" in script
+    assert "class Model(torch.nn.Module)" in script
+    assert ("torch.compile(model" in script) == (path == "compiled")
+    assert ("GraphManager(model" in script) == (path == "breakable")
     assert ("capturable_split_ops" in script) == (full_graph != "off")
 
 
@@ -288,6 +292,13 @@ def test_whole_graph_compiles_on_cpu_agree_with_eager():
     _assert_only_known_bugs(CPU_INDUCTOR_SEEDS, fuzz.Setup("inductor", "cpu", padding=True, full_graph="whole"))
 
 
+def test_breakable_graphs_on_cpu_agree_with_eager():
+    """The breakable path (op_replay segments), exact sizes, each size observed, captured
+    and replayed, every call with its own data. No known bugs apply to it."""
+    known, new, _, _ = _fuzz(range(400), fuzz.Setup(device="cpu", padding=None, path="breakable"), bugs=())
+    assert not known and not new, "reproducers:\n\n" + "\n\n".join(new)
+
+
 def _compiled_matches_eager_at_a_padded_size(make: Callable[[], Callable]) -> None:
     config = fuzz.Setup("eager", "cpu", padding=True).config()
     compiled = torch.compile(make(), backend=cgcompile.Backend(config), fullgraph=True)
@@ -355,6 +366,12 @@ def test_cuda_fused_sibling_linears_agree_with_eager():
     fused = [s for s in range(2000) if "sibling_linears" in fuzz.generate(s).productions][:100]
     _assert_only_known_bugs(fused, fuzz.Setup("eager", "cuda", padding=None, full_graph="pieces",
                                               fuse_sibling_linears=True))
+
+
+@pytest.mark.cuda
+def test_cuda_breakable_graphs_agree_with_eager():
+    known, new, _, _ = _fuzz(range(0, 1000, 2), fuzz.Setup(device="cuda", padding=None, path="breakable"), bugs=())
+    assert not known and not new, "reproducers:\n\n" + "\n\n".join(new)
 
 
 @pytest.mark.cuda
