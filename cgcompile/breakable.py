@@ -96,16 +96,15 @@ class BreakableGroup:
         self._runners.append(weakref.ref(runner))
 
     def drop_graphs(self) -> None:
-        """Drop every runner's graphs (they are captured again lazily), into a fresh pool.
+        """Drop every runner's graphs; they are captured again lazily.
 
         All runners, not only the one whose weights moved: a new state dict moves every
-        layer's, and one fresh pool then serves them all. torch cannot capture into a
-        pool whose graphs are all gone, hence the fresh one."""
-        runners = [runner for ref in self._runners if (runner := ref()) is not None]
-        for runner in runners:
-            runner.clear()
-        if runners and runners[0].segments == "cuda_graphs":
-            runners[0].session.fresh_pool()
+        layer's. (Where that leaves the pool without graphs, the session captures into a
+        new one: `CaptureSession.begin_graph`.)"""
+        for ref in self._runners:
+            runner = ref()
+            if runner is not None:
+                runner.clear()
 
 
 @dataclasses.dataclass

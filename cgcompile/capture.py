@@ -150,6 +150,9 @@ class CaptureSession:
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
         self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
+        # The graphs begun in each pool, by handle: a pool whose graphs are all gone is
+        # released by torch, which then refuses to capture into it (see `begin_graph`).
+        self._graphs_by_pool: dict[tuple, weakref.WeakSet] = {}
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -227,10 +230,9 @@ class CaptureSession:
         self._pool, self._pool_given = GraphPool(), False
 
     def fresh_pool(self) -> None:
-        """Send later captures to a new pool. After a graph's runners dropped their graphs,
-        the pool may hold no graph any more, and torch cannot capture into a pool whose
-        graphs are all gone. Graphs still in the old pool keep replaying from it; the two
-        pools share no memory."""
+        """Send later captures to a new pool (`begin_graph` does when the current pool's
+        graphs are all gone: torch cannot capture into such a pool). Graphs still in the
+        old pool keep replaying from it; the two pools share no memory."""
         if self._pool is None:
             return
         if self._pool_given:
@@ -267,8 +269,15 @@ class CaptureSession:
         a captured matmul allocates comes from the pool and lives as long as it.
         """
         release_cublas_workspaces()
+        begun = self._graphs_by_pool.get(tuple(self._pool.handle)) if self._pool is not None else None
+        if begun is not None and len(begun) == 0:
+            # Every graph captured into the pool is gone (dropped after its weights moved, an
+            # empty segment, an uncapturable call): torch released the pool and would fail an
+            # internal assertion (use_count > 0) on a capture into it.
+            self.fresh_pool()
         graph = torch.cuda.CUDAGraph()
         self._graphs.add(graph)
+        self._graphs_by_pool.setdefault(tuple(self.pool.handle), weakref.WeakSet()).add(graph)
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
 

@@ -223,6 +223,31 @@ def test_replaced_weights_are_never_replayed_stale_and_are_captured_again(how):
     assert runner.graph_count() == 1
 
 
+class BreakFirst(nn.Module):
+    """Its first segment, before the split op, has no op: a graph that is never kept."""
+
+    def __init__(self, tail: bool):
+        super().__init__()
+        self.tail = nn.Linear(8, 8) if tail else None
+
+    def forward(self, x):  # x: [N, 8]
+        h = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        return h if self.tail is None else self.tail(h)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_a_module_that_starts_with_a_break_captures_into_a_live_pool(tail):
+    # The empty first segment's graph is dropped; with no other graph in the pool, torch
+    # released the pool and the next segment's capture failed (use_count > 0).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = BreakFirst(tail).cuda()
+    manager = cgcompile.GraphManager(model, _config(), boundary=None)
+    for n in (3, 3, 3, 5, 5, 5):
+        x = torch.randn(n, 8, device="cuda")
+        torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x), rtol=1e-5, atol=1e-5)
+
+
 _FORKS_BEFORE_A_BREAK = """
 from cgcompile.testing import SILLY_OP
 class Forks(torch.nn.Module):
