@@ -132,7 +132,8 @@ class BreakableRunner:
     or softmax over dim 0). The compiled path proves that on the graph
     (`passes.padding_safety`); here there is no graph to prove it on, so a runner pads only
     when told to: `exact_sizes=False`, or by default `Config(padding=True)`, the user's
-    word that the module's rows never mix.
+    word that the module's rows never mix, in its split ops too (eager steps run at the
+    padded size).
 
     segments: "cuda_graphs", or "op_replay" (`breakable_segments.OpReplay`: the same
         bookkeeping on any device, segments re-run op by op; for tests and checking).
