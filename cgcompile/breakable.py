@@ -40,7 +40,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
+import os
 import weakref
 from typing import Any, Callable
 
@@ -84,16 +86,39 @@ def eager_break(fn: Callable | None = None) -> Callable:
 
 class BreakableGroup:
     """What runners built together share: static buffers (see `breakable_buffers`), the
-    log lines already written (so sixteen decoder layers log a new signature once), and
-    the graphs that a runner whose weights moved drops (`drop_graphs`)."""
+    log lines already written (so sixteen decoder layers log a new signature once), the
+    graphs that a runner whose weights moved drops (`drop_graphs`), and one description
+    (`describe`, written to `Config.dump_dir` after each capture)."""
+
+    _count = itertools.count()
 
     def __init__(self):
         self.statics = SharedStatics()
         self.logged: set = set()
         self._runners: list[weakref.ref] = []
+        self.dump_name = f"breakable_{next(BreakableGroup._count)}.txt"
 
     def add(self, runner: "BreakableRunner") -> None:
         self._runners.append(weakref.ref(runner))
+
+    def describe(self) -> str:
+        """Every runner's graphs, step by step; runners whose graphs read the same (the
+        layers of a model) are described once."""
+        runners = [runner for ref in self._runners if (runner := ref()) is not None]
+        blocks: list[tuple[str, list[int]]] = []
+        for i, runner in enumerate(runners):
+            text = runner.describe()
+            if blocks and blocks[-1][0] == text:
+                blocks[-1][1].append(i)
+            else:
+                blocks.append((text, [i]))
+        return "\n".join(f"runners {ids[0]}-{ids[-1]} ({len(ids)}): {text}" if len(ids) > 1 else
+                         f"runner {ids[0]}: {text}" for text, ids in blocks)
+
+    def dump(self, dump_dir: str) -> None:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(os.path.join(dump_dir, self.dump_name), "w") as f:
+            f.write(self.describe() + "\n")
 
     def drop_graphs(self) -> None:
         """Drop every runner's graphs; they are captured again lazily.
@@ -185,6 +210,16 @@ class BreakableRunner:
     def graph_count(self) -> int:
         return self.rule.graph_count()
 
+    def describe(self) -> str:
+        """Its graphs: per size and call signature, the steps a replay runs."""
+        count = self.graph_count()
+        lines = [f"{self.name}: {count} graph{'' if count == 1 else 's'}"]
+        for size, entries in self.graphs.items():
+            for entry in entries:
+                lines.append(f"  size {size} [{entry.signature.describe()}]")
+                lines += [f"    {step.describe()}" for step in entry.steps]
+        return "\n".join(lines)
+
     def clear(self) -> None:
         self.rule.clear()
 
@@ -252,6 +287,9 @@ class BreakableRunner:
                                 [(i, statics[i]) for i in recording.static_inputs],
                                 recording.live_tensor_inputs, outputs, output_tensors, keep_alive)
         self.rule.captured(size, recording.signature, entry)
+        dump_dir = self.config.resolved_dump_dir()
+        if dump_dir:
+            self.group.dump(dump_dir)
         return _cut(outputs, n, size, self.clone_outputs)
 
 

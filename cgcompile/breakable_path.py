@@ -79,6 +79,11 @@ class BreakablePath:
     def graph_count(self) -> int:
         return sum(runner.graph_count() for runner in self.runners)
 
+    def describe(self) -> str:
+        """What each runner captured, step by step (identical layers once)."""
+        groups = list(dict.fromkeys(runner.group for runner in self.runners))
+        return "\n".join(group.describe() for group in groups)
+
     def clear(self) -> None:
         for runner in self.runners:
             runner.clear()

@@ -87,13 +87,20 @@ def recording() -> bool:
 
 
 class SegmentStep:
-    __slots__ = ("replay",)
+    """Replays one recorded segment. ops: how many times each op ran in it, for people."""
 
-    def __init__(self, replay: Callable[[], None]):
+    __slots__ = ("replay", "ops")
+
+    def __init__(self, replay: Callable[[], None], ops: dict[str, int] | None = None):
         self.replay = replay
+        self.ops = ops or {}
 
     def __call__(self, live: list) -> None:
         self.replay()
+
+    def describe(self) -> str:
+        ops = ", ".join(f"{name} x{count}" if count > 1 else name for name, count in self.ops.items())
+        return f"graph segment: {sum(self.ops.values())} ops ({ops})"
 
 
 class EagerStep:
@@ -115,6 +122,10 @@ class EagerStep:
         self.args, self.kwargs = unflatten_call(flat, structure)
         # Flat calls (the usual case) rebuild args and kwargs without walking the structure.
         self.positional = len(structure[0]) if is_flat(structure) else None
+
+    def describe(self) -> str:
+        live = f", {len(self.subs)} arguments live" if self.subs else ""
+        return f"eager step: {self.label}{live}"
 
     def __call__(self, live: list) -> None:
         if self.subs:
@@ -220,7 +231,8 @@ class Recorder:
         self.paused = False
         self.segment = None
         self.ops_in_segment = 0
-        self.order: list = []  # ("segment", replay) or ("eager", record index)
+        self.segment_ops: dict[str, int] = {}  # op name -> calls in the current segment
+        self.order: list = []  # ("segment", SegmentStep) or ("eager", record index)
         self.eager: list[_EagerRecord] = []
         self.uncapturable: str | None = None
         self._input_ids: dict[int, list[int]] = {}
@@ -269,6 +281,8 @@ class Recorder:
             return self.run_eagerly(str(func), func, args, kwargs, False)
         out = func(*args, **kwargs)
         self.ops_in_segment += 1
+        name = getattr(func, "__name__", str(func))
+        self.segment_ops[name] = self.segment_ops.get(name, 0) + 1
         self.segments.record(self.segment, func, args, kwargs, out)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -356,6 +370,7 @@ class Recorder:
         op, which may run on a stream the module forks to)."""
         self.segment = self.segments.begin()
         self.ops_in_segment = 0
+        self.segment_ops = {}
 
     def end_segment(self, before: str) -> None:
         if self.segment is None:
@@ -363,7 +378,7 @@ class Recorder:
         segment, self.segment = self.segment, None
         replay = self.segments.end(segment, f"{self.name} (segment before {before})", self.ops_in_segment == 0)
         if replay is not None:
-            self.order.append(("segment", replay))
+            self.order.append(("segment", SegmentStep(replay, self.segment_ops)))
 
     # -- the result ------------------------------------------------------------------------
 
@@ -402,7 +417,7 @@ class Recorder:
         steps, built = [], {}
         for kind, item in self.order:
             if kind == "segment":
-                steps.append(SegmentStep(item))
+                steps.append(item)
                 continue
             built[item] = step = self._eager_step(item, self.eager[item], built)
             steps.append(step)

@@ -341,6 +341,23 @@ def test_op_replay_runs_in_place_view_ops_once_as_a_graph_does():
     assert runner_of(manager).graph_count() == 1
 
 
+def test_describe_and_dump_show_each_graphs_steps(tmp_path):
+    torch.manual_seed(0)
+    model = ToyLlama(2, hidden=32, vocab=64)
+    manager = manager_for(model, dump_dir=str(tmp_path))
+    for _ in range(2):
+        manager.run_pw_graph(model, (torch.randint(0, 64, (3,)),))
+    text = manager.breakable.describe()
+    lines = text.splitlines()
+    assert lines[0] == "runner 0: ToyLlama: 1 graph" and lines[1].startswith("  size 4 [args[0] (4,) int64")
+    steps = [line.strip() for line in lines[2:]]
+    assert [s.split(":")[0] for s in steps] == ["graph segment", "eager step"] * 2 + ["graph segment"]
+    assert steps[1] == "eager step: cgcompile_testing.silly_attention.default"
+    assert "mm.default x4" in steps[2]  # o_proj, up, down and the next layer's qkv
+    (dump,) = tmp_path.iterdir()
+    assert dump.name.startswith("breakable_") and dump.read_text() == text + "\n"
+
+
 def test_segments_argument_is_checked():
     with pytest.raises(cgcompile.ArgumentError, match=r"GraphManager: segments: expected one of \('cuda_graphs', "
                                                       r"'op_replay'\), got 'ops'"):

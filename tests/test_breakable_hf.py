@@ -183,6 +183,18 @@ def test_a_new_state_dict_in_new_tensors_is_never_replayed_stale():
     assert sum(r.addresses.recaptures for r in manager.breakable.runners) >= 1
 
 
+def test_describe_shows_the_layers_once_with_their_eager_steps():
+    model = tiny_model("llama")
+    manager = breakable(model)
+    ids, mask = batch_prompt(1)
+    with manager:
+        generate(model, ids, mask)
+    text = manager.breakable.describe()
+    layers = len(model.model.layers)
+    assert text.startswith(f"runners 0-{layers - 1} ({layers}): LlamaDecoderLayer x{layers}: 1 graph")
+    assert "eager step: DynamicCache.update" in text and "eager step: attention (sdpa)" in text
+
+
 def test_capturing_the_whole_stack_finds_decode_uncapturable_and_stays_correct(caplog):
     # The stack's forward reads the cache length to build positions and masks: a graph
     # would freeze them. The integration's guard sees the read and keeps those calls eager.
