@@ -13,7 +13,8 @@ them stay valid.
 Not seen: writes through `param.data` (a tensor with its own version counter). After
 such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check
 costs one address and one counter read per source parameter per call (23 us for 80
-parameters on a desktop CPU); no GPU work unless something changed.
+parameters on a desktop CPU, 71 us on the H100 machine's host); no GPU work unless
+something changed.
 """
 
 from __future__ import annotations
