@@ -49,10 +49,7 @@ def main() -> None:
         first, first_s = timed_generate(model, ids, mask, args.new_tokens)  # observes, captures, replays
         again, again_s = timed_generate(model, ids, mask, args.new_tokens)  # replays from the first step
 
-    runner = manager.breakable.runners[0]
-    ((entry,),) = runner.graphs.values()
-    steps = " | ".join(f"eager {s.label}" if hasattr(s, "label") else "graph segment" for s in entry.steps)
-    print(f"{len(manager.breakable.runners)} decoder layers, each replays: {steps}")
+    print(manager.breakable.describe())  # per layer (identical ones once): the steps a replay runs
     same = torch.equal(first, expected) and torch.equal(again, expected)
     print(f"tokens equal eager: {same} ({expected.numel()} tokens, batch {args.batch})")
     if on_cuda:
