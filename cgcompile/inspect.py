@@ -1,5 +1,6 @@
 """`python -m cgcompile.inspect DUMP_DIR`: print the split summary of every dumped graph,
-then the graph-memory plan of every model (sizes, graphs, bytes; see `cgcompile.memory_plan`)."""
+the graph-memory plan of every model (sizes, graphs, bytes; see `cgcompile.memory_plan`),
+then what breakable graphs captured (`breakable_<k>.txt`, see `BreakableGroup.describe`)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         found = summaries(args.dump_dir)
         plans = read_plans(args.dump_dir)
-        if not found and not plans:
-            raise ArgumentError(expected("dump_dir", "graph_<i>/summary.json or memory_plan.<name>.json files",
-                                         f"no cgcompile dump in {args.dump_dir!r}", _HOW_TO_DUMP, raw=True))
+        breakable = breakable_descriptions(args.dump_dir)
+        if not found and not plans and not breakable:
+            raise ArgumentError(expected(
+                "dump_dir", "graph_<i>/summary.json, memory_plan.<name>.json or breakable_<k>.txt files",
+                f"no cgcompile dump in {args.dump_dir!r}", _HOW_TO_DUMP, raw=True))
     except CGCompileError as e:  # a command line prints the message, not a traceback
         print(f"{parser.prog}: {e}", file=sys.stderr)
         return 1
@@ -60,7 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         print("graph memory plan")
     for plan in plans:
         print(format_plan(plan))
+    for text in breakable:
+        print(f"breakable graphs\n{text}")
     return 0
+
+
+def breakable_descriptions(dump_dir: str) -> list[str]:
+    """The text of every breakable_<k>.txt under dump_dir, in the order of k."""
+    found = []
+    for path in glob.glob(os.path.join(dump_dir, "breakable_*.txt")):
+        match = re.fullmatch(r"breakable_(\d+)\.txt", os.path.basename(path))
+        if match:
+            with open(path) as f:
+                found.append((int(match.group(1)), f.read().rstrip("\n")))
+    return [text for _, text in sorted(found)]
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import cgcompile
+import cgcompile.inspect
 from cgcompile.breakable_record import EagerStep, Recorder
 from cgcompile.breakable_signature import flatten_call
 from cgcompile.capture import Mode
@@ -341,7 +342,7 @@ def test_op_replay_runs_in_place_view_ops_once_as_a_graph_does():
     assert runner_of(manager).graph_count() == 1
 
 
-def test_describe_and_dump_show_each_graphs_steps(tmp_path):
+def test_describe_and_dump_show_each_graphs_steps(tmp_path, capsys):
     torch.manual_seed(0)
     model = ToyLlama(2, hidden=32, vocab=64)
     manager = manager_for(model, dump_dir=str(tmp_path))
@@ -356,6 +357,8 @@ def test_describe_and_dump_show_each_graphs_steps(tmp_path):
     assert "mm.default x4" in steps[2]  # o_proj, up, down and the next layer's qkv
     (dump,) = tmp_path.iterdir()
     assert dump.name.startswith("breakable_") and dump.read_text() == text + "\n"
+    assert cgcompile.inspect.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"breakable graphs\n{text}\n"
 
 
 def test_segments_argument_is_checked():
