@@ -15,8 +15,9 @@ data: capture and run) and returns what replays it, or None for a segment withou
                      tensors, their results copied into the recorded outputs: what a CUDA
                      graph does (fixed addresses, shapes and Python values frozen at
                      capture; in-place view ops such as `squeeze_`, which only change a
-                     tensor object's shape, are not re-run), on any device. Tests use it on the CPU; it shows whether a
-                     model's breaks are right before a GPU is at hand. No speed-up.
+                     tensor object's shape, are not re-run), on any device. Tests use it
+                     on the CPU; it shows whether a model's breaks are right before a GPU
+                     is at hand. No speed-up.
 """
 
 from __future__ import annotations
