@@ -88,8 +88,9 @@ class Config:
         layers share one compile). Piecewise calls are unchanged. Needs
         compiler="inductor". See `cgcompile.passes.small_query`, `cgcompile.full_graph_code`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
-        captures one set of CUDA graphs per distinct size, for at most this many sizes;
-        calls of further new sizes run its pieces without graphs (logged once).
+        captures one set of CUDA graphs per distinct size: for each capture size, and for
+        at most this many other sizes; calls of further new sizes run its pieces without
+        graphs (logged once).
     compile_sizes: capture sizes whose pieces are also compiled with the capture dimension
         fixed (Inductor can then pick kernels for that exact shape, e.g. a matrix-vector
         product at size 1); the graphs of those sizes replay the specialised code, other

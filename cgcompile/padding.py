@@ -50,9 +50,10 @@ class StepSize:
 class SizePolicy:
     """Chooses the size one Dynamo graph's pieces run at, per call.
 
-    padded: the smallest capture size >= n. exact: n itself, for at most `limit` distinct
-    sizes (captured lazily; a new size past the limit runs without graphs, logged once).
-    Either way, sizes above the largest capture size run without graphs.
+    padded: the smallest capture size >= n. exact: n itself, captured lazily: every
+    capture size (the sizes asked for, ahead of time too), and at most `limit` distinct
+    other sizes (a new one past the limit runs without graphs, logged once). Either way,
+    sizes above the largest capture size run without graphs.
 
     Every piece of a graph uses the same size in a call: graphs that share a pool may
     only reuse each other's memory when they never replay in the same step (see
@@ -65,6 +66,7 @@ class SizePolicy:
         self.limit = limit
         self.name = name
         self.admitted: set[int] = set()
+        self._others = 0  # admitted sizes that are not capture sizes: what `limit` bounds
         self._warned = False
 
     def size_for(self, n: int) -> int | None:
@@ -74,14 +76,21 @@ class SizePolicy:
             return n
         if not 0 < n <= self.table.largest:
             return None
-        if len(self.admitted) < self.limit:
+        if self.table.padded(n) == n:
+            # A capture size: always. Counted against the limit, an ahead-of-time capture of
+            # many sizes (largest first) would leave out the smallest, decode's own.
+            self.admitted.add(n)
+            return n
+        if self._others < self.limit:
+            self._others += 1
             self.admitted.add(n)
             return n
         if not self._warned:
             self._warned = True
             log.warning(
-                "cgcompile: %s runs at exact sizes and already holds graphs for %d sizes "
-                "(Config.exact_size_limit); size %d and later new sizes run without CUDA graphs",
+                "cgcompile: %s runs at exact sizes and already holds graphs for %d sizes besides its "
+                "capture sizes (Config.exact_size_limit); size %d and later new sizes of that kind run "
+                "without CUDA graphs",
                 self.name, self.limit, n,
             )
         return None

@@ -230,6 +230,19 @@ def test_ahead_of_time_capture_observes_in_warm_up_and_captures_in_the_capture_r
     torch.testing.assert_close(manager.run_pw_graph(model, (ids,)), model(ids))
 
 
+def test_ahead_of_time_capture_at_exact_sizes_gets_every_capture_size():
+    # The default: exact sizes, 35 capture sizes, more than exact_size_limit (32).
+    model = ToyLlama(1, hidden=16, vocab=32)
+    manager = manager_for(model, padding=None, capture_sizes=cgcompile.Config().capture_sizes)
+    sizes = sorted(manager.config.capture_sizes, reverse=True)
+    assert len(sizes) > manager.config.exact_size_limit
+    for size in sizes:  # what GraphManager.capture does on a GPU, largest first
+        for mode in (Mode.WARMUP, Mode.CAPTURE):
+            with manager.session.mode_as(mode):
+                manager.run_breakable(torch.zeros(size, dtype=torch.long))
+    assert sorted(runner_of(manager).graphs) == sorted(sizes)
+
+
 def test_clear_drops_graphs_and_later_calls_capture_again():
     model = ToyLlama(1, hidden=32, vocab=64)
     manager = manager_for(model)

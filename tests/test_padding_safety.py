@@ -153,6 +153,17 @@ def test_exact_size_limit_runs_new_sizes_without_graphs(caplog):
     assert "exact_size_limit" in caplog.text
 
 
+def test_exact_sizes_always_admit_the_capture_sizes():
+    # Ahead-of-time capture goes largest first: with the capture sizes counted against the
+    # limit, the smallest (decode's) were left without graphs.
+    from cgcompile.padding import PaddingTable, SizePolicy
+
+    sizes = cgcompile.Config().capture_sizes
+    policy = SizePolicy(PaddingTable(sizes), exact=True, limit=2, name="g")
+    assert [policy.size_for(n) for n in sorted(sizes, reverse=True)] == sorted(sizes, reverse=True)
+    assert [policy.size_for(n) for n in (3, 5, 6, 3, 1, 300)] == [3, 5, None, 3, 1, None]
+
+
 def test_padding_reason_in_dump_and_inspect(tmp_path, capsys):
     compiled, _ = _compile(lambda x: _split(x - x.mean(0)), dump_dir=str(tmp_path))
     x = torch.randn(5, 8)
