@@ -69,7 +69,8 @@ def host_us(fn, calls: int = 200, repeats: int = 15) -> float:
 def main() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
     print(harness.environment("cuda"))
-    print(f"{'B':>3} {'L':>5} " + " ".join(f"{name:>13}" for name in ("sdpa", "sdpa_gqa", "flash_op", "efficient_op", "cat")))
+    names = ("sdpa", "sdpa_gqa", "flash_op", "efficient_op", "cat")
+    print(f"{'B':>3} {'L':>5} " + " ".join(f"{name:>13}" for name in names))
     for batch in (1, 8):
         for length in (256, 1024):
             q = torch.randn(batch, 8, 4, 64, device="cuda", dtype=torch.bfloat16)

@@ -12,9 +12,10 @@ compares it with another, run eagerly, at a few sizes of the capture dimension
 (`case_sizes`: a capture size, one between capture sizes, one above the largest). Where
 a size is called more than once in a row (full graphs, breakable graphs: observe,
 capture, replay), each call's float inputs are scaled differently, so that a replay
-reading what an earlier call left behind shows. A failure is shrunk (`shrink`: drop sizes and steps while it
-persists) and reported as a standalone script (`reproducer`); `run_campaign` groups
-failures into classes by the productions their shrunk programs keep.
+reading what an earlier call left behind shows. A failure is shrunk (`shrink`: drop
+sizes and steps while it persists) and reported as a standalone script (`reproducer`);
+`run_campaign` groups failures into classes by the productions their shrunk programs
+keep.
 
 Statuses: a compiled result that differs from eager beyond float reordering (`error`
 above 1) is a "mismatch"; an exception from the compiled model where eager ran is an
@@ -46,8 +47,9 @@ from .config import Config
 from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
 
 __all__ = [
-    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PATHS", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup", "case_sizes",
-    "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink", "source",
+    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PATHS", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup",
+    "case_sizes", "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink",
+    "source",
 ]
 
 CAPTURE_SIZES = (1, 2, 4, 8)
