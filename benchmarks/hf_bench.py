@@ -27,6 +27,9 @@ batch 1 and 8. Variants:
     cgcompile-fused, cgcompile-static-sq-fused, cgcompile-static-whole-sq-fused  cgcompile,
                     cgcompile-static-sq and cgcompile-static-whole-sq with
                     Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each
+    cgcompile-static-whole-sq-fused-eager  cgcompile-static-whole-sq-fused with compiler="eager":
+                    the whole-graph compile is the only compile (the prefill runs the pieces
+                    as FX code)
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -185,10 +188,11 @@ def setup_static(model, args) -> tuple[dict, None]:
 
 
 def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool = False,
-                           fused: bool = False) -> tuple[dict, cgcompile.Backend]:
+                           fused: bool = False, compiler: str | None = None) -> tuple[dict, cgcompile.Backend]:
     # A static cache and attention declared capturable: each decode step one full CUDA graph.
     # disable_compile: generate() would otherwise compile the decode step itself around ours.
-    config = cgcompile.Config(compiler=args.compiler, capturable_split_ops=("attention",), full_graph_compile=whole,
+    config = cgcompile.Config(compiler=compiler or args.compiler, capturable_split_ops=("attention",),
+                              full_graph_compile=whole,
                               small_query_attention=small_query, fuse_sibling_linears=fused)
     backend = cgcompile.Backend(config)
     model.forward = torch.compile(model.forward, backend=backend)
@@ -203,7 +207,9 @@ VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3grap
             "cgcompile-fused": functools.partial(setup_cgcompile, fused=True),
             "cgcompile-static-sq-fused": functools.partial(setup_cgcompile_static, small_query=True, fused=True),
             "cgcompile-static-whole-sq-fused": functools.partial(setup_cgcompile_static, whole=True, small_query=True,
-                                                                 fused=True)}
+                                                                 fused=True),
+            "cgcompile-static-whole-sq-fused-eager": functools.partial(
+                setup_cgcompile_static, whole=True, small_query=True, fused=True, compiler="eager")}
 
 
 # -- measuring ----------------------------------------------------------------------------

@@ -350,7 +350,7 @@ class Backend:
             for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
         )
         name = f"graph{graph_index}"
-        whole = self.config.full_graph_compile and self.config.compiler == "inductor"
+        whole = self.config.full_graph_compile  # Inductor, whatever compiles the pieces
         # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
         eager_compiles = self._eager_compiles if self.config.small_query_attention else None
         pieces = plain_function(runtime, self.config.cudnn_attention, eager_compiles)

@@ -72,12 +72,14 @@ class Config:
         `cgcompile.capturable_ops`). A call replays the full graph when every host value
         and every input address the split ops read equals the captured one, else it runs
         piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
-    full_graph_compile: with compiler="inductor", a full graph captures the whole Dynamo
-        graph compiled once more by Inductor at its size (fused across what are piece
-        boundaries), at the cost of one compile of the whole graph per captured size,
-        made at that size's first capture (counted in `stats.full_graph_compilations`,
-        its seconds in `stats.full_graph_compile_s`). False: it captures the pieces'
-        own code in order, with no compile beyond theirs. See `cgcompile.full_graph_code`.
+    full_graph_compile: a full graph captures the whole Dynamo graph compiled by Inductor
+        at its size (fused across what are piece boundaries), at the cost of one compile
+        of the whole graph per captured size, made at that size's first capture (counted
+        in `stats.full_graph_compilations`, its seconds in `stats.full_graph_compile_s`).
+        With compiler="eager" beside it, that is the only compile: piecewise calls (a
+        prefill) run the pieces as FX code, and the warm-up is one compile, not two.
+        False: a full graph captures the pieces' own code in order, with no compile
+        beyond theirs. See `cgcompile.full_graph_code`.
     small_query_attention: in full graphs, attention calls of at most 16 query rows
         (decode) are compiled as two batched matmuls around a float32 softmax, which
         spread over the whole GPU, instead of SDPA's kernels, which walk the keys with
@@ -85,8 +87,8 @@ class Config:
         decoder at batch 1; precision that of Hugging Face's eager attention):
         inside the whole-graph compile with full_graph_compile, else by compiling each
         eager piece that holds such a call at the shapes of its capture (identical
-        layers share one compile). Piecewise calls are unchanged. Needs
-        compiler="inductor". See `cgcompile.passes.small_query`, `cgcompile.full_graph_code`.
+        layers share one compile). Piecewise calls are unchanged. Needs compiler="inductor"
+        or full_graph_compile. See `cgcompile.passes.small_query`, `cgcompile.full_graph_code`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size: for each capture size, and for
         at most this many other sizes; calls of further new sizes run its pieces without
@@ -145,9 +147,11 @@ class Config:
         for field in dataclasses.fields(self):
             _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
         _check_compile_sizes(self.compile_sizes, self.capture_sizes)
-        expect(self.compiler == "inductor" or not self.small_query_attention, "small_query_attention",
-               'compiler="inductor" beside it (the lowered attention is compiled)', f"compiler={self.compiler!r}",
-               'set compiler="inductor", or leave small_query_attention out', ConfigError, raw=True)
+        expect(self.compiler == "inductor" or self.full_graph_compile or not self.small_query_attention,
+               "small_query_attention", 'compiler="inductor" or full_graph_compile=True beside it (the lowered '
+               'attention is compiled)', f"compiler={self.compiler!r}",
+               'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
+               ConfigError, raw=True)
         self.split_ops  # validates every splitting op name now, not at the first compile
         self.capturable_ops
 

@@ -40,7 +40,7 @@ def decode_calls(tokens_per_step: int, steps: int):
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole", "inductor-small-query",
-                                      "inductor-whole-small-query"])
+                                      "inductor-whole-small-query", "eager-whole-small-query"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     torch.manual_seed(0)

@@ -399,9 +399,20 @@ def test_a_failed_whole_graph_compile_captures_the_pieces_code(monkeypatch, capl
 
 
 @torch.no_grad()
-def test_full_graph_compile_is_off_with_the_eager_compiler(monkeypatch):
+def test_full_graph_compile_beside_eager_pieces_is_the_only_compile(monkeypatch):
+    """compiler="eager": the pieces stay FX code and the whole-graph compile is the one
+    compile made, at the first capture of the decode size."""
     compiled = _counting_compile(monkeypatch)
+    piece_compiles = []
+    monkeypatch.setattr("cgcompile.piece_compiler.inductor_compile", lambda *a: piece_compiles.append(a))
+    model = StaticCacheDecoder().eval()
+    eager = decode_steps(copy.deepcopy(model), 4)
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",),
                                                  full_graph_compile=True))
-    decode_steps(torch.compile(StaticCacheDecoder().eval(), backend=backend, dynamic=False), 3)
-    assert backend.stats.full_graph_calls == 2 and compiled == []
+    got = decode_steps(torch.compile(model, backend=backend, dynamic=False), 4)
+    for step, (g, e) in enumerate(zip(got, eager)):
+        torch.testing.assert_close(g, e, msg=lambda m: f"call {step}: {m}")
+    assert backend.stats.full_graph_calls == 3 and len(compiled) == 1 and piece_compiles == []
+    full = backend.runtimes[-1].full
+    (entry,) = full.graphs.values()
+    assert entry.code is not full.code.pieces

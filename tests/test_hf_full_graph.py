@@ -58,12 +58,14 @@ def test_static_cache_decodes_from_the_full_path(batch):
                                                     "a host-side input differs from the captured one"}
 
 
-@pytest.mark.parametrize("whole, small_query", [(True, False), (True, True), (False, True)])
-def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query):
-    """whole: the whole graph compiled as one; small_query alone: the eager attention
-    pieces compiled for the full graph, lowered (one compile shared by the layers)."""
+@pytest.mark.parametrize("whole, small_query, compiler", [(True, False, "inductor"), (True, True, "inductor"),
+                                                         (False, True, "inductor"), (True, True, "eager")])
+def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query, compiler):
+    """whole: the whole graph compiled as one (with compiler="eager", the only compile);
+    small_query alone: the eager attention pieces compiled for the full graph, lowered
+    (one compile shared by the layers)."""
     expected = generate(tiny_llama(), 2, cache_implementation="static")
-    model, backend = compiled_llama(compiler="inductor", full_graph_compile=whole, small_query_attention=small_query)
+    model, backend = compiled_llama(compiler=compiler, full_graph_compile=whole, small_query_attention=small_query)
     for _ in range(2):
         torch.testing.assert_close(generate(model, 2, cache_implementation="static"), expected, rtol=0, atol=0)
     check_decode_graph_calls(backend)

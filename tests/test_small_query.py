@@ -131,13 +131,14 @@ def test_the_pass_leaves_a_symbolic_row_count_alone():
 
 
 def test_small_query_attention_needs_inductor():
-    with pytest.raises(ConfigError, match='small_query_attention: expected compiler="inductor"'):
+    with pytest.raises(ConfigError, match='small_query_attention: expected compiler="inductor" or full_graph_comp'):
         cgcompile.Config(compiler="eager", small_query_attention=True)
+    cgcompile.Config(compiler="eager", small_query_attention=True, full_graph_compile=True)  # compiled whole
 
 
-@pytest.mark.parametrize("whole", [True, False])
+@pytest.mark.parametrize("whole, compiler", [(True, "inductor"), (False, "inductor"), (True, "eager")])
 @torch.no_grad()
-def test_full_graphs_with_small_query_attention_equal_eager(whole):
+def test_full_graphs_with_small_query_attention_equal_eager(whole, compiler):
     """whole: lowered inside the whole-graph compile; else the eager attention pieces are
     compiled, lowered, for the full graph: the two layers' pieces share one compile."""
     torch.manual_seed(0)
@@ -145,7 +146,7 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole):
     calls = [(torch.arange(1, 5), torch.arange(4))] + [(torch.tensor([s]), torch.tensor([4 + s])) for s in range(5)]
     reference = copy.deepcopy(model)
     expected = [reference(*c).clone() for c in calls]
-    config = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=whole,
+    config = cgcompile.Config(compiler=compiler, capturable_split_ops=("attention",), full_graph_compile=whole,
                               small_query_attention=True)
     backend = cgcompile.Backend(config)
     compiled = torch.compile(model, backend=backend, dynamic=False)
