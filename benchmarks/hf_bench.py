@@ -30,6 +30,12 @@ batch 1 and 8. Variants:
     cgcompile-static-whole-sq-fused-eager  cgcompile-static-whole-sq-fused with compiler="eager":
                     the whole-graph compile is the only compile (the prefill runs the pieces
                     as FX code)
+    cgcompile-auto-sq-fused, cgcompile-auto-whole-sq-fused-eager  the settings of
+                    cgcompile-static-sq-fused and cgcompile-static-whole-sq-fused-eager, handed
+                    to generate()'s own compile instead: generate(cache_implementation="static",
+                    compile_config=CompileConfig(backend=cgcompile.Backend(...), mode=None)).
+                    generate() then compiles only the decode step, as in `static`; the prefill
+                    runs eagerly
     static          the baseline: transformers' own fast path, generate(cache_implementation="static")
                     and nothing else. A static cache is compilable, so on CUDA generate() compiles
                     its decode step itself, torch.compile(model.__call__, **CompileConfig().to_dict())
@@ -199,6 +205,15 @@ def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool =
     return {"cache_implementation": "static", "disable_compile": True}, backend
 
 
+def setup_cgcompile_auto(model, args, whole: bool = False, compiler: str | None = None) -> tuple[dict, cgcompile.Backend]:
+    # generate() compiles its decode step itself (prefill eager), with cgcompile as the backend.
+    config = cgcompile.Config(compiler=compiler or args.compiler, capturable_split_ops=("attention",),
+                              full_graph_compile=whole, small_query_attention=True, fuse_sibling_linears=True)
+    backend = cgcompile.Backend(config)
+    compile_config = transformers.CompileConfig(backend=backend, mode=None)
+    return {"cache_implementation": "static", "compile_config": compile_config}, backend
+
+
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
@@ -209,7 +224,9 @@ VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3grap
             "cgcompile-static-whole-sq-fused": functools.partial(setup_cgcompile_static, whole=True, small_query=True,
                                                                  fused=True),
             "cgcompile-static-whole-sq-fused-eager": functools.partial(
-                setup_cgcompile_static, whole=True, small_query=True, fused=True, compiler="eager")}
+                setup_cgcompile_static, whole=True, small_query=True, fused=True, compiler="eager"),
+            "cgcompile-auto-sq-fused": setup_cgcompile_auto,
+            "cgcompile-auto-whole-sq-fused-eager": functools.partial(setup_cgcompile_auto, whole=True, compiler="eager")}
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -412,7 +429,7 @@ def targets(rows: list[Row], batches: list[int]) -> list[dict]:
         result.append(judge(name, batch, ours / theirs if ours and theirs else None, threshold))
     if any(r.variant == "breakable" for r in rows):
         result += breakable_targets(rows, batches)
-    for full in sorted({r.variant for r in rows if r.variant.startswith("cgcompile-static")}):
+    for full in sorted({r.variant for r in rows if r.variant.startswith(("cgcompile-static", "cgcompile-auto"))}):
         result += full_graph_targets(rows, batches, full)
     return result
 

@@ -110,6 +110,13 @@ class Backend:
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
         self._fused_copies: dict[tuple, torch.Tensor] = {}  # Config.fuse_sibling_linears, by source
 
+    def __deepcopy__(self, memo) -> "Backend":
+        # A Backend is the one compile context of its graphs (pool, captured graphs, stats):
+        # a copy would compile and capture everything again into a second pool. Configs
+        # that hold one share it instead: transformers deep-copies its GenerationConfig,
+        # and the CompileConfig in it, at every generate().
+        return self
+
     @property
     def stats(self) -> BackendStats:
         self._stats.graphs_captured = self.session.graphs_captured
