@@ -13,7 +13,7 @@ import torch
 import cgcompile
 from cgcompile.testing import HOST_SCALE_OP, StaticCacheDecoder
 from test_full_graph import FULL, HOST_REASON, HostScaled, check_fresh_inputs, interleaved_calls, run_calls
-from test_hf_full_graph import check_decode_graph_calls, generate, tiny_llama
+from test_hf_full_graph import NEW_TOKENS, check_decode_graph_calls, generate, tiny_llama
 
 pytestmark = [
     pytest.mark.cuda,
@@ -113,6 +113,31 @@ def test_hf_static_cache_generate_from_full_graphs(batch, whole):
         torch.testing.assert_close(generate(model, batch, cache_implementation="static"), expected, rtol=0, atol=0)
     check_decode_graph_calls(backend)
     assert backend.stats.graphs_captured > 0
+
+
+@pytest.mark.parametrize("compiler, whole", [("inductor", False), ("eager", True)])
+def test_hf_generate_compiles_its_decode_step_with_cgcompile(compiler, whole):
+    """generate()'s own compile (compile_config) with a cgcompile Backend: the prefill runs
+    eagerly, the decode step from full graphs. Its static cache marks its tensors static, so
+    a cache at a new address (a new generate()) is seen by the parameter check: one call
+    without graphs, one piecewise, then a new capture."""
+    from transformers import CompileConfig
+
+    expected = generate(tiny_llama().cuda(), 3, cache_implementation="static")
+    model = tiny_llama().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capturable_split_ops=("attention",),
+                                                 full_graph_compile=whole, small_query_attention=whole))
+    prompt = (torch.arange(15, device="cuda").view(3, 5) * 7 + 1) % 128
+    for _ in range(2):
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static",
+                             compile_config=CompileConfig(backend=backend, mode=None))
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    stats = backend.stats
+    assert stats.graphs_seen == 1 and stats.graphs_captured > 0
+    assert stats.full_graph_calls + stats.piecewise_calls == 2 * (NEW_TOKENS - 1)
+    assert stats.piecewise_calls <= 3, stats.piecewise_reasons
+    assert stats.full_graph_compilations == (1 if whole else 0)
 
 
 def test_hf_dynamic_cache_stays_piecewise_on_cuda():

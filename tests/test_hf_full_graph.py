@@ -85,3 +85,25 @@ def test_dynamic_cache_stays_piecewise():
     stats = backend.stats
     assert stats.full_graph_calls == 0
     assert stats.piecewise_calls == NEW_TOKENS
+
+
+def test_generate_compiles_its_decode_step_with_cgcompile():
+    """transformers' own compile of a static cache's decode step (generate()'s
+    compile_config) with a cgcompile Backend: the prefill runs eagerly, so only the decode
+    graph is compiled. generate() deep-copies its config at every call; the Backend is
+    shared, not copied, so both calls land in one backend."""
+    from transformers import CompileConfig
+
+    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    model = tiny_llama()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
+    compile_config = CompileConfig(backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told (its testing flag)
+    prompt = (torch.arange(10).view(2, 5) * 7 + 1) % 128
+    for _ in range(2):
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static",
+                             compile_config=compile_config)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert backend.stats.graphs_seen == 1  # the decode step; the prefill is not compiled
+    check_decode_graph_calls(backend)
