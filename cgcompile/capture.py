@@ -149,9 +149,8 @@ class CaptureSession:
         self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
-        self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
-        # The graphs begun in each pool, by handle: a pool whose graphs are all gone is
-        # released by torch, which then refuses to capture into it (see `begin_graph`).
+        # Every graph begun here, by the handle of its pool: a pool whose graphs are all gone
+        # is released by torch, which then refuses to capture into it (see `begin_graph`).
         self._graphs_by_pool: dict[tuple, weakref.WeakSet] = {}
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
@@ -223,20 +222,17 @@ class CaptureSession:
         end_pool_allocation(self.pool.handle)
         reset_generators_after_failed_capture()
         release_cublas_workspaces()
-        if self._pool_given:
-            log.warning("cgcompile: a capture into the pool you passed failed; "
-                        "later graphs go to a pool of their own")
-        self._retired.append(self.pool)
-        self._pool, self._pool_given = GraphPool(), False
+        self._retire_pool(logging.WARNING, "a capture into the pool you passed failed; later graphs go to a "
+                                           "pool of their own")
 
-    def fresh_pool(self) -> None:
-        """Send later captures to a new pool (`begin_graph` does when the current pool's
-        graphs are all gone: torch cannot capture into such a pool). Graphs still in the
-        old pool keep replaying from it; the two pools share no memory."""
+    def _retire_pool(self, level: int, if_given: str) -> None:
+        """Send later captures to a new pool (made at the next capture). Graphs still in
+        the old pool keep replaying from it; the two pools share no memory. `if_given` is
+        logged when the retired pool was the one the caller passed."""
         if self._pool is None:
             return
         if self._pool_given:
-            log.info("cgcompile: graphs captured again go to a pool of their own, not the one you passed")
+            log.log(level, "cgcompile: %s", if_given)
         self._retired.append(self._pool)
         self._pool, self._pool_given = None, False
 
@@ -274,9 +270,8 @@ class CaptureSession:
             # Every graph captured into the pool is gone (dropped after its weights moved, an
             # empty segment, an uncapturable call): torch released the pool and would fail an
             # internal assertion (use_count > 0) on a capture into it.
-            self.fresh_pool()
+            self._retire_pool(logging.INFO, "graphs captured again go to a pool of their own, not the one you passed")
         graph = torch.cuda.CUDAGraph()
-        self._graphs.add(graph)
         self._graphs_by_pool.setdefault(tuple(self.pool.handle), weakref.WeakSet()).add(graph)
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
@@ -329,7 +324,7 @@ class CaptureSession:
         only dropping the runners' references, matters where a graph is kept alive
         elsewhere (a traceback, a user's variable): it would still hold its memory and any
         communicator whose collectives it captured."""
-        for graph in list(self._graphs):
+        for graph in [g for begun in self._graphs_by_pool.values() for g in begun]:
             graph.reset()
         self.clear()
 
