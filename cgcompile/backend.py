@@ -226,7 +226,7 @@ class Backend:
             return None
 
         def recapture():
-            runtime.drop_all_graphs()  # a pool left without graphs is replaced at the next capture
+            runtime.drop_all_graphs()  # their memory goes back to the pool, for the recapture
             if not self.session.lazy_capture:
                 log.warning("cgcompile: graph%d dropped its CUDA graphs after its parameters moved; graphs "
                             "captured under a memory budget are not captured lazily: call backend.capture(...) "

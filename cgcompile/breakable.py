@@ -124,8 +124,7 @@ class BreakableGroup:
         """Drop every runner's graphs; they are captured again lazily.
 
         All runners, not only the one whose weights moved: a new state dict moves every
-        layer's. (Where that leaves the pool without graphs, the session captures into a
-        new one: `CaptureSession.begin_graph`.)"""
+        layer's. (The pool lives on without them, anchored: `CaptureSession._anchor_pool`.)"""
         for ref in self._runners:
             runner = ref()
             if runner is not None:

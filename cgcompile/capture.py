@@ -149,9 +149,8 @@ class CaptureSession:
         self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
-        # Every graph begun here, by the handle of its pool: a pool whose graphs are all gone
-        # is released by torch, which then refuses to capture into it (see `begin_graph`).
-        self._graphs_by_pool: dict[tuple, weakref.WeakSet] = {}
+        self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
+        self._anchors: dict[tuple, torch.cuda.CUDAGraph] = {}  # by pool handle (see `_anchor_pool`)
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -222,19 +221,29 @@ class CaptureSession:
         end_pool_allocation(self.pool.handle)
         reset_generators_after_failed_capture()
         release_cublas_workspaces()
-        self._retire_pool(logging.WARNING, "a capture into the pool you passed failed; later graphs go to a "
-                                           "pool of their own")
-
-    def _retire_pool(self, level: int, if_given: str) -> None:
-        """Send later captures to a new pool (made at the next capture). Graphs still in
-        the old pool keep replaying from it; the two pools share no memory. `if_given` is
-        logged when the retired pool was the one the caller passed."""
-        if self._pool is None:
-            return
         if self._pool_given:
-            log.log(level, "cgcompile: %s", if_given)
-        self._retired.append(self._pool)
+            log.warning("cgcompile: a capture into the pool you passed failed; "
+                        "later graphs go to a pool of their own")
+        self._anchors.pop(tuple(self.pool.handle), None)  # freed once its graphs are gone
+        self._retired.append(self.pool)
         self._pool, self._pool_given = None, False
+
+    def _anchor_pool(self) -> None:
+        """Keep the pool alive with an empty graph of its own.
+
+        torch releases a pool when its last graph goes (graphs dropped after their
+        weights moved, an empty segment's graph, a size captured and then given up) and
+        then fails an internal assertion (use_count > 0) on the next capture into it.
+        With the anchor alive, graphs captured again go into the same pool and reuse the
+        memory the dropped ones gave back, instead of a new pool per recapture whose
+        predecessors stay reserved until an allocation fails.
+        """
+        handle = tuple(self.pool.handle)
+        if handle not in self._anchors:
+            anchor = torch.cuda.CUDAGraph()
+            anchor.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
+            end_capture(anchor)  # empty by design: no warning
+            self._anchors[handle] = anchor
 
     def register(self, runner) -> None:
         self._runners.append(weakref.ref(runner))
@@ -265,14 +274,9 @@ class CaptureSession:
         a captured matmul allocates comes from the pool and lives as long as it.
         """
         release_cublas_workspaces()
-        begun = self._graphs_by_pool.get(tuple(self._pool.handle)) if self._pool is not None else None
-        if begun is not None and len(begun) == 0:
-            # Every graph captured into the pool is gone (dropped after its weights moved, an
-            # empty segment, an uncapturable call): torch released the pool and would fail an
-            # internal assertion (use_count > 0) on a capture into it.
-            self._retire_pool(logging.INFO, "graphs captured again go to a pool of their own, not the one you passed")
+        self._anchor_pool()
         graph = torch.cuda.CUDAGraph()
-        self._graphs_by_pool.setdefault(tuple(self.pool.handle), weakref.WeakSet()).add(graph)
+        self._graphs.add(graph)
         graph.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
         return graph
 
@@ -324,8 +328,13 @@ class CaptureSession:
         only dropping the runners' references, matters where a graph is kept alive
         elsewhere (a traceback, a user's variable): it would still hold its memory and any
         communicator whose collectives it captured."""
-        for graph in [g for begun in self._graphs_by_pool.values() for g in begun]:
+        for graph in [*self._graphs, *self._anchors.values()]:
             graph.reset()
+        self._anchors.clear()
+        if self._pool_given:  # reset anchors no longer keep it alive: torch may have released it
+            log.info("cgcompile: graphs captured after release_graphs go to a pool of their own, "
+                     "not the one you passed")
+            self._pool, self._pool_given = None, False
         self.clear()
 
     def clear(self) -> None:
@@ -338,8 +347,9 @@ class CaptureSession:
         self._retired.clear()
         self.lazy_capture = True
         self.padding.use(self.padding.configured)
-        if not self._pool_given:
+        if not self._pool_given:  # a pool passed in stays alive, anchored, for later captures
             self._pool = None
+            self._anchors.clear()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
