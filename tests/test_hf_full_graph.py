@@ -107,3 +107,26 @@ def test_generate_compiles_its_decode_step_with_cgcompile():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert backend.stats.graphs_seen == 1  # the decode step; the prefill is not compiled
     check_decode_graph_calls(backend)
+
+
+def test_generate_with_one_cache_for_every_call_never_captures_again():
+    """The same with a StaticCache passed to every generate() (reset between calls): its
+    tensors stay put, so after the first call's first decode step every step replays."""
+    from transformers import CompileConfig, StaticCache
+
+    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    model = tiny_llama()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
+    compile_config = CompileConfig(backend=backend, mode=None)
+    compile_config._compile_all_devices = True
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    prompt = (torch.arange(10).view(2, 5) * 7 + 1) % 128
+    for _ in range(3):
+        cache.reset()
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=cache,
+                             compile_config=compile_config)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    stats = backend.stats
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (1, 3 * (NEW_TOKENS - 1) - 1)
+    assert stats.parameter_recaptures == 0 and stats.calls_with_moved_parameters == 0
