@@ -140,6 +140,7 @@ class Row:
     decode_tok_s_best: float | None = None
     decode_tok_s_rounds: list[float] | None = None
     first_call_s: float | None = None
+    first_calls: int = 1  # generate() calls in first_call_s (2 with --keep-cache: see warm_up)
     warmup_s: float | None = None
     tokens_equal_eager: str | None = None
     dynamo_graphs: int | None = None
@@ -250,6 +251,8 @@ def make_prompt(args, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tenso
 
 def timed(model, ids, mask, new_tokens: int, kwargs: dict) -> tuple[float, torch.Tensor]:
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    if "past_key_values" in kwargs:  # --keep-cache: the one cache, emptied in place
+        kwargs["past_key_values"].reset()
     sync()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
@@ -261,14 +264,29 @@ def dynamo_graphs() -> int:
     return int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
 
 
+def keep_one_cache(model, kwargs: dict, args) -> dict:
+    """--keep-cache: one StaticCache for every generate() of the variant (reset before each,
+    in `timed`) instead of generate()'s new cache per call."""
+    cache = transformers.StaticCache(config=model.config, max_cache_len=args.prompt_len + args.new_tokens)
+    kwargs = {k: v for k, v in kwargs.items() if k != "cache_implementation"}
+    return {**kwargs, "past_key_values": cache}
+
+
 def warm_up(variant: str, batch: int, args) -> Loaded:
     """Build the variant cold and make its first call (compiling, capturing)."""
     row = Row(variant, batch)
     graphs_before = dynamo_graphs()
     model = build_model(args)
     kwargs, backend = VARIANTS[variant](model, args)
+    if args.keep_cache and kwargs.get("cache_implementation") == "static":
+        kwargs = keep_one_cache(model, kwargs, args)
     ids, mask = make_prompt(args, batch, model.config.vocab_size)
     row.first_call_s, _ = timed(model, ids, mask, args.new_tokens, kwargs)
+    if "past_key_values" in kwargs:
+        # A kept cache is initialised after the first call, so the second call's prefill
+        # is another Dynamo graph where generate()'s prefill is compiled too: warm it up.
+        row.first_call_s += timed(model, ids, mask, args.new_tokens, kwargs)[0]
+        row.first_calls = 2
     row.dynamo_graphs = dynamo_graphs() - graphs_before
     return Loaded(row, model, kwargs, backend)
 
@@ -287,7 +305,7 @@ def finish(loaded: Loaded, args, eager_output: torch.Tensor | None, graphs_after
     row.decode_tok_s_rounds = [round(r, 1) for r in rates]
     row.decode_tok_s, row.decode_tok_s_best = statistics.median(rates), max(rates)
     row.prefill_ms = 1e3 * statistics.median(loaded.one_s)
-    row.warmup_s = row.first_call_s - statistics.median(loaded.full_s)
+    row.warmup_s = row.first_call_s - row.first_calls * statistics.median(loaded.full_s)
     if eager_output is not None and row.variant != "eager":
         row.tokens_equal_eager = f"{int((loaded.output == eager_output).sum())}/{loaded.output.numel()}"
     if isinstance(loaded.backend, cgcompile.GraphManager):
@@ -518,7 +536,7 @@ def environment(args) -> dict:
     return harness.environment(
         args.device, transformers=transformers.__version__, model=TINY if args.tiny else FULL, dtype=args.dtype,
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, compiler=args.compiler, rounds=args.rounds,
-        long_tokens=args.long_tokens, cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
+        long_tokens=args.long_tokens, keep_cache=args.keep_cache, cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
         process_start_s=getattr(args, "process_start_s", None))
 
 
@@ -535,6 +553,10 @@ def parse_args() -> argparse.Namespace:
                         help="cgcompile's piece compiler; default inductor on CUDA, eager on CPU")
     parser.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--warm-cache", action="store_true", help="keep the default Inductor cache")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="static-cache variants pass one StaticCache to every generate() (reset in place) "
+                             "instead of letting generate() make a new one per call; their warm-up is then two "
+                             "calls, less two timed ones")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile one warm generate() per row, and a torch.profiler op table "
                              "($OUT/profile_hf_*.txt)")
