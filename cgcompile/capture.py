@@ -150,7 +150,7 @@ class CaptureSession:
         self._stream: torch.cuda.Stream | None = None
         self._runners: list[weakref.ref] = []
         self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
-        self._anchors: dict[tuple, torch.cuda.CUDAGraph] = {}  # by pool handle (see `_anchor_pool`)
+        self._anchor: tuple[tuple, torch.cuda.CUDAGraph] | None = None  # (pool handle, graph): `_anchor_pool`
         # Outputs of graphs captured in the current call, by (address, padded shape,
         # stride): a later piece that receives one uses it in place instead of copying.
         self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -224,7 +224,7 @@ class CaptureSession:
         if self._pool_given:
             log.warning("cgcompile: a capture into the pool you passed failed; "
                         "later graphs go to a pool of their own")
-        self._anchors.pop(tuple(self.pool.handle), None)  # freed once its graphs are gone
+        self._anchor = None  # the retired pool is freed once its graphs are gone
         self._retired.append(self.pool)
         self._pool, self._pool_given = None, False
 
@@ -239,11 +239,11 @@ class CaptureSession:
         predecessors stay reserved until an allocation fails.
         """
         handle = tuple(self.pool.handle)
-        if handle not in self._anchors:
+        if self._anchor is None or self._anchor[0] != handle:  # a new pool's anchor replaces the old one's
             anchor = torch.cuda.CUDAGraph()
             anchor.capture_begin(pool=self.pool.handle, capture_error_mode=self.error_mode)
             end_capture(anchor)  # empty by design: no warning
-            self._anchors[handle] = anchor
+            self._anchor = (handle, anchor)
 
     def register(self, runner) -> None:
         self._runners.append(weakref.ref(runner))
@@ -328,10 +328,10 @@ class CaptureSession:
         only dropping the runners' references, matters where a graph is kept alive
         elsewhere (a traceback, a user's variable): it would still hold its memory and any
         communicator whose collectives it captured."""
-        for graph in [*self._graphs, *self._anchors.values()]:
+        for graph in list(self._graphs):
             graph.reset()
-        self._anchors.clear()
-        if self._pool_given:  # reset anchors no longer keep it alive: torch may have released it
+        self._anchor = None  # nothing else holds it: dropping it releases its use of the pool
+        if self._pool_given:  # no anchor keeps it alive now: torch may have released it
             log.info("cgcompile: graphs captured after release_graphs go to a pool of their own, "
                      "not the one you passed")
             self._pool, self._pool_given = None, False
@@ -348,8 +348,7 @@ class CaptureSession:
         self.lazy_capture = True
         self.padding.use(self.padding.configured)
         if not self._pool_given:  # a pool passed in stays alive, anchored, for later captures
-            self._pool = None
-            self._anchors.clear()
+            self._pool, self._anchor = None, None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
