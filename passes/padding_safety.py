@@ -412,8 +412,11 @@ def _op_name(node: Node) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _aten_pointwise(name: str) -> bool:
+    # A target that is no op (a method-wrapper such as `h.__eq__`, a builtin, a Python
+    # function) has a name that may hit a plain attribute of the namespace: aten.__eq__
+    # is the module's own method-wrapper. Only an op packet carries tags.
     packet = getattr(torch.ops.aten, name, None)
-    if packet is None:
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 

@@ -236,3 +236,27 @@ def test_view_made_in_a_graph_and_written_later_aliases_the_real_tensor():
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), fn(x))
     assert any("and an op writes into [input_mutation]" in (p.reason or "") for p in backend.pieces)
+
+
+def _row_scale(x):
+    return x * 2.0
+
+
+@pytest.mark.parametrize("target", [(0.5).__eq__, divmod, _row_scale], ids=["method_wrapper", "builtin", "function"])
+def test_a_target_that_is_no_op_gets_a_reason(target):
+    # aten has attributes of these names that are no op packets (aten.__eq__ is the
+    # namespace's own method-wrapper): the pass once asked them for their overloads.
+    def backend(gm, example_inputs):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        original, node.target = node.target, target
+        dim = find_capture_dim(gm, frozenset())
+        found["hazards"] = [str(h) for h in find_padding_hazards(gm, dim.symbol).values()]
+        node.target = original  # Dynamo prints the graph afterwards: it wants a real target
+        return gm.forward
+
+    found = {}
+    x = torch.randn(5, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(lambda x: torch.sin(x) * 2, backend=backend, fullgraph=True)(x)
+    name = target.__name__
+    assert any(h.startswith(f"sin: {name} is not known to keep rows apart") for h in found["hazards"]), found
