@@ -33,6 +33,7 @@ from .passes import (
     input_name,
     plan_full_graph,
     split_graph,
+    values_sharing_memory,
 )
 from .aot_capture import (
     MakeInputs,
@@ -350,8 +351,7 @@ class Backend:
         if isinstance(plan, str):
             log.info("cgcompile: graph %d has no full graph: %s", graph_index, plan)
             return f"piecewise only: {plan}"
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        values = _output_values(gm)
         copies = () if self.config.reuse_output_buffers else tuple(
             OutputCopy(i, _statically_contiguous(example_value(v)))
             for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
@@ -421,16 +421,26 @@ class Backend:
                 self.stats.capturable_pieces -= 1
 
     def _outputs_to_clone(self, gm, split: SplitGraph, runners: list[PieceRunner]) -> tuple[OutputCopy, ...]:
+        """Graph outputs that share memory with a CUDA graph's output: copied on return.
+
+        Not only the graph pieces' own outputs: a view of one, made by a later eager piece,
+        is pool memory too. Whatever the caller keeps of such an output (a KV cache that
+        keeps `cat(...)[:, :, 1:]`, a sliding window's) must outlive the replay: after it,
+        runners hold only non-owning aliases of their outputs, and graphs of other sizes or
+        other Dynamo graphs, captured into the memory the pool thinks free, write over it.
+        """
         if self.config.reuse_output_buffers:
             return ()
-        from_graphs = {
+        from_graphs = [
             out for spec, runner in zip(split.pieces, runners) if isinstance(runner, CudaGraphPiece)
             for out in spec.outputs
-        }
-        output = next(n for n in gm.graph.nodes if n.op == "output")
-        values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+        ]
+        values = _output_values(gm)
+        # A view of a graph input that a piece also returns views the caller's own tensor.
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         return tuple(
-            OutputCopy(i, _statically_contiguous(example_value(v))) for i, v in enumerate(values) if v in from_graphs
+            OutputCopy(i, _statically_contiguous(example_value(values[i])))
+            for i in values_sharing_memory(values, from_graphs, exclude=inputs)
         )
 
     # -- CUDA graph management -------------------------------------------------------------
@@ -555,6 +565,11 @@ def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
         f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
         padding_unsafe=padding, sizes=sizing.why,
     )
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
 
 
 def _first_line(error: Exception) -> str:

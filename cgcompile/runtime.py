@@ -66,8 +66,33 @@ def copy_out(outputs, copies: tuple[OutputCopy, ...]) -> tuple:
     outputs = list(outputs)
     for copy in copies:
         value = outputs[copy.index]
-        outputs[copy.index] = value.clone(memory_format=torch.contiguous_format) if copy.contiguous else value.clone()
+        outputs[copy.index] = (value.clone(memory_format=torch.contiguous_format) if copy.contiguous
+                               else copy_with_strides(value))
     return tuple(outputs)
+
+
+def copy_with_strides(value: torch.Tensor) -> torch.Tensor:
+    """A copy with `value`'s sizes and strides, a view of a larger tensor included.
+
+    `clone()` makes a view that is not dense (`cat(...)[:, :, 1:]`) contiguous; a caller
+    that keeps it and passes it back (a KV cache) would then fail a stride guard, and
+    Dynamo would compile again. So the copy spans the memory the view reaches, laid out
+    alike. Views whose elements overlap (an `expand`) cannot be written that way: cloned.
+    """
+    if value.numel() == 0 or _overlaps(value):
+        return value.clone()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
+    return value.new_empty(span).as_strided(value.shape, value.stride()).copy_(value)
+
+
+def _overlaps(value: torch.Tensor) -> bool:
+    """Whether two elements of `value` share memory (dims sorted by stride must nest)."""
+    reach = 0  # elements the smaller-strided dims already span, minus one
+    for stride, size in sorted((st, sz) for st, sz in zip(value.stride(), value.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

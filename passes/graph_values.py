@@ -70,3 +70,26 @@ def may_alias_first_input(node: Node) -> bool:
     if node.op == "call_method":
         return node.target in MAY_ALIAS_METHODS
     return node.op == "call_function" and node.target in MAY_ALIAS_FUNCTIONS
+
+
+def storage_of(value: Any):
+    """A hashable handle on the memory a fake tensor uses: views of one tensor share it."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(value.untyped_storage())
+
+
+def values_sharing_memory(values: list, owners: list[Node], exclude: list[Node] = ()) -> tuple[int, ...]:
+    """Positions in `values` that are one of `owners` or share memory with one of them.
+
+    Dynamo's fake tensors track storage like real ones: a view (made in any piece) of a
+    piece's output shares that output's fake storage, so this sees aliases however many
+    view ops and piece boundaries lie between them. Memory shared with a node of `exclude`
+    does not count (a piece's output that views a graph input: only the output itself).
+    """
+    excluded = {storage_of(example_value(node)) for node in exclude}
+    owned = {storage_of(example_value(node)) for node in owners} - excluded - {None}
+    return tuple(i for i, node in enumerate(values)
+                 if node in owners or (isinstance(node, Node) and storage_of(example_value(node)) in owned))
