@@ -31,17 +31,13 @@ pytestmark = [
 
 
 
-# Dynamo graphs per generate() (test_hf_generate.py's docstring says which three). Mistral
-# gets two on CUDA: its sliding-window cache keeps `cat([keys, new])[:, :, -(window - 1):]`,
-# a view whose strides follow the concatenation's length (7 after the prefill, 5 in every
-# decode step); on CPU that view becomes the cache, so decode step 2 fails graph 1's stride
-# guard. On CUDA the view is an output of a captured piece, and the runtime returns such
-# outputs as clones (GraphRuntime.clone_outputs in cgcompile/runtime.py), which a non-dense
-# view makes contiguous: the cache keys are [B, 2, 4, 16] with stride(0) 128 after every
-# step, and graph 1 serves every decode step. Seen on an H200 with torch 2.11 and
-# transformers 5.17: Config(cudagraphs=False) on CUDA gives three graphs again, as does
-# the CPU with transformers 5.17 or 5.23; the transformers version does not matter.
-GRAPHS_SEEN = {"llama": 3, "qwen2": 3, "mistral": 2, "gpt2": 3}
+# Dynamo graphs per generate() (test_hf_generate.py's docstring says which three), Mistral
+# included: its sliding-window cache keeps `cat([keys, new])[:, :, -(window - 1):]`, a view
+# whose strides follow the concatenation's length, so decode step 2 fails graph 1's stride
+# guard. On CUDA that view shares a captured piece's output memory, and the runtime returns
+# it as a copy with the view's own strides (cgcompile/runtime.py, `copy_with_strides`): the
+# same layout as eager's, hence the same graphs.
+GRAPHS_SEEN = {"llama": 3, "qwen2": 3, "mistral": 3, "gpt2": 3}
 
 
 def cuda_model(arch: str, dtype=torch.float32):
