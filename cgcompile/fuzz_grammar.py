@@ -16,6 +16,13 @@ The rules that keep eager's answer well defined, so any difference is cgcompile'
   - in-place writes only into intermediates, never into an input or parameter (or a
     view of one), never through a tensor a `reshape` may or may not alias
     (`_Builder.mutate`), and never with an operand that aliases the target.
+
+State kept across calls (`generate(seed, stateful=True)`, the fuzzer's sequence mode):
+the "state" productions keep a tensor the call made, a view of an intermediate, in a
+plain attribute of the model (not a buffer), and the next call reads it, as a serving
+model keeps a sliding-window KV cache. A state's shape either does not depend on n, or
+the state starts over when n changes (its dim 0 then is the capture dimension, marked
+dynamic before each call by the source's `mark_state`, as the inputs are).
 """
 
 from __future__ import annotations
@@ -57,17 +64,24 @@ class Var:
         return self.name
 
 
+PARAM_KINDS = ("parameter", "buffer", "state", "row_state")
+
+
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """A parameter, or a buffer (state the model writes into, as a KV cache)."""
+    """A parameter; a buffer (state the model writes into, as a KV cache); or state: a
+    plain attribute, None until forward sets it to a tensor it made, which the next call
+    reads ("row_state": its dim 0 is the capture dimension)."""
 
     name: str
     init: str  # an expression over `g`, the model's seeded generator
-    buffer: bool = False
+    kind: str = "parameter"  # one of PARAM_KINDS
 
     def source(self) -> str:
-        if self.buffer:
+        if self.kind == "buffer":
             return f'self.register_buffer("{self.name}", {self.init})'
+        if self.kind in ("state", "row_state"):
+            return f"self.{self.name} = None  # kept across calls: forward sets it"
         return f"self.{self.name} = torch.nn.Parameter({self.init})"
 
 
@@ -91,10 +105,16 @@ class Program:
     mode: str = "any"  # which productions it drew from (`MODES`)
     layout: str = "contiguous"  # of the float inputs (`LAYOUTS`)
     inference_mode: bool = False  # run under torch.inference_mode(), else torch.no_grad()
+    stateful: bool = False  # drawn with the "state" productions (`generate`)
 
     @property
     def productions(self) -> tuple[str, ...]:
         return tuple(step.production for step in self.steps)
+
+    @property
+    def row_states(self) -> tuple[str, ...]:
+        """The state attributes whose dim 0 is the capture dimension."""
+        return tuple(p.name for s in self.steps for p in s.params if p.kind == "row_state")
 
     @property
     def outputs(self) -> tuple[Var, ...]:
@@ -181,7 +201,14 @@ class _Builder:
 
     def param(self, init: str, *, buffer: bool = False) -> str:
         name = f"{'b' if buffer else 'p'}{next(self._names)}"
-        self._params.append(Param(name, init, buffer))
+        self._params.append(Param(name, init, "buffer" if buffer else "parameter"))
+        return f"self.{name}"
+
+    def state(self, *, rows: bool) -> str:
+        """A plain attribute kept across calls, None before the first; rows: its dim 0
+        is the capture dimension (so it must start over when n changes)."""
+        name = f"s{next(self._names)}"
+        self._params.append(Param(name, "None", "row_state" if rows else "state"))
         return f"self.{name}"
 
     def define(self, expr: str, shape, *, bound=None, dtype="float32", view_of: Var | None = None,
@@ -205,7 +232,8 @@ class _Builder:
         return out
 
     def write_state(self, line: str) -> None:
-        """Emit a write into the model's own state (a buffer), not into a program tensor."""
+        """Emit a write into the model's own state (a buffer or an attribute), not into
+        a program tensor."""
         self._lines.append(line)
 
     def mutate(self, var: Var, line: str) -> None:
@@ -788,6 +816,57 @@ def buffer_update(g):
     g.define(f"{buf} * 1.0", (v.shape[1],))
 
 
+# state kept across calls: a plain attribute holding a view of what a call made
+
+
+@production("state", mixes_rows=True)
+def state_window(g):
+    """The last k rows seen, over this call and the calls before it: the window a call
+    keeps is a view of its cat. Its shape does not depend on n: it carries across sizes."""
+    v = g.pick(_rows(2))
+    k, d = g.rng.randint(1, 4), v.shape[1]
+    s = g.state(rows=False)
+    g.write_state(f"if {s} is None:  # the first call: an empty window")
+    g.write_state(f"    {s} = {v}.new_zeros({k}, {d})")
+    cat = f"torch.cat([{s}, {v}])"
+    t = g.define(g.choice([f"{cat}[-{k}:]", f"{cat}[{v}.shape[0]:]"]), (k, d))
+    g.write_state(f"{s} = {t}  # kept for the next call: a view of this call's cat")
+
+
+@production("state")
+def state_shift(g):
+    """A sliding-window KV cache, one per row: the cache and the new entries are cat
+    together and the cache kept is a view of that (`full[:, 1:]`). It starts over when n
+    changes, so a row's result depends on that row's history alone."""
+    v = g.pick(_rows(2))
+    s = g.state(rows=True)
+    g.write_state(f"if {s} is None or {s}.shape[0] != {v}.shape[0]:  # a new batch: the cache starts over")
+    if g.rng.random() < 0.5:  # entries along a new dim: [n, w, d]
+        w, d = g.rng.randint(1, 4), v.shape[1]
+        g.write_state(f"    {s} = {v}.new_zeros({v}.shape[0], {w}, {d})")
+        full = g.define(f"torch.cat([{s}, {v}[:, None]], dim=1)", (N, w + 1, d))
+        g.write_state(f"{s} = {full}[:, 1:]  # kept for the next call: a view of {full}")
+    else:  # columns: [n, w]
+        c, w = g.rng.randint(1, min(4, v.shape[1])), g.choice((2, 4, 8))
+        g.write_state(f"    {s} = {v}.new_zeros({v}.shape[0], {w})")
+        full = g.define(f"torch.cat([{s}, {v}[:, :{c}]], dim=1)", (N, w + c))
+        g.write_state(f"{s} = {full}[:, {c}:]  # kept for the next call: a view of {full}")
+
+
+@production("state", mixes_rows=True)
+def state_slots(g):
+    """A cache of 16 slots, one per row, kept across sizes: rows n.. shift in zeros (a
+    value of n: padding rows must not reach them). Sizes stay within its 16 slots."""
+    v = g.pick(_rows(2))
+    c, w = g.rng.randint(1, min(4, v.shape[1])), g.choice((2, 4))
+    s = g.state(rows=False)
+    g.write_state(f"if {s} is None:  # the first call: empty slots")
+    g.write_state(f"    {s} = {v}.new_zeros(16, {w})")
+    new = f"F.pad({v}[:, :{c}], (0, 0, 0, 16 - {v}.shape[0]))"
+    full = g.define(f"torch.cat([{s}, {new}], dim=1)", (16, w + c))
+    g.write_state(f"{s} = {full}[:, {c}:]  # kept for the next call: a view of {full}")
+
+
 # the capture size used as a value
 
 
@@ -876,13 +955,15 @@ LAYOUTS = {  # how make_inputs lays out a float input [n, d]
 }
 
 
-def generate(seed: int, max_steps: int = 10) -> Program:
+def generate(seed: int, max_steps: int = 10, *, stateful: bool = False) -> Program:
     """The program of a seed: deterministic, 3 to `max_steps` steps.
 
     A program draws from every production ("any"), from those that keep rows apart
     ("row_local": such a graph is padded, which exercises the padded runtime), or from
     those plus one row-mixing production at a random step ("one_mixing": the one op the
     padding-safety analysis must catch on its own). A split op may be forced first and last.
+    stateful: the "state" productions join, one forced at a random step; without it no
+    draw changes, so a seed's program stays what it was before they existed.
     """
     rng = random.Random(seed)
     inputs = _inputs(rng)
@@ -891,9 +972,10 @@ def generate(seed: int, max_steps: int = 10) -> Program:
     mode = rng.choices(MODES, weights=(4, 3, 3))[0]
     mixing_step = rng.randrange(length) if mode == "one_mixing" else None
     split_at_start, split_at_end = rng.random() < 0.2, rng.random() < 0.2
+    state_step = rng.randrange(length) if stateful else None
     for i in range(length):
         forced_split = (i == 0 and split_at_start) or (i == length - 1 and split_at_end)
-        candidates = _candidates(mode, i == mixing_step, forced_split)
+        candidates = _candidates(mode, i == mixing_step, forced_split, stateful, i == state_step)
         for _ in range(20):
             p = rng.choices(candidates, weights=[p.weight for p in candidates])[0]
             if builder.run(p.name, p.emit):
@@ -901,22 +983,26 @@ def generate(seed: int, max_steps: int = 10) -> Program:
     # Drawn last, so that adding them kept the programs earlier draws make:
     layout = rng.choices(list(LAYOUTS), weights=(6, 2, 2))[0]
     inference_mode = rng.random() < 0.3
-    return Program(seed, inputs, tuple(builder.steps), mode, layout, inference_mode)
+    return Program(seed, inputs, tuple(builder.steps), mode, layout, inference_mode, stateful)
 
 
-def _candidates(mode: str, mixing_step: bool, split: bool) -> list[Production]:
+def _candidates(mode: str, mixing_step: bool, split: bool, stateful: bool, state_step: bool) -> list[Production]:
+    drawn = [p for p in PRODUCTIONS if stateful or p.family != "state"]
+    if state_step:
+        return [p for p in drawn if p.family == "state" and (mode == "any" or mixing_step or not p.mixes_rows)]
     if split:
-        return [p for p in PRODUCTIONS if p.family == "split"]
+        return [p for p in drawn if p.family == "split"]
     if mixing_step:
-        return [p for p in PRODUCTIONS if p.mixes_rows]
-    return [p for p in PRODUCTIONS if mode == "any" or not p.mixes_rows]
+        return [p for p in drawn if p.mixes_rows]
+    return [p for p in drawn if mode == "any" or not p.mixes_rows]
 
 
 # -- rendering as source ---------------------------------------------------------------------
 
 
 def source(program: Program) -> str:
-    """The module of a program: `Model` and `make_inputs(n, device)`."""
+    """The module of a program: `Model`, `make_inputs(n, device)`, and `mark_state(model)`
+    where the model keeps state whose dim 0 is the capture dimension."""
     params = [p for s in program.steps for p in s.params]
     inputs = program.used_inputs()
     init = [f"        {p.source()}" for p in params]
@@ -937,6 +1023,7 @@ def source(program: Program) -> str:
         "",
         "",
         *_make_inputs_source(program, inputs),
+        *_mark_state_source(program),
     ]
     return "\n".join(lines) + "\n"
 
@@ -956,6 +1043,22 @@ def _make_inputs_source(program: Program, inputs: Sequence[Var]) -> list[str]:
         "        if n > 1:",
         "            torch._dynamo.mark_dynamic(t, 0)",
         "    return inputs",
+    ]
+
+
+def _mark_state_source(program: Program) -> list[str]:
+    """Per-row state is a graph input whose dim 0 equals n: marked dynamic, as the inputs
+    are (unmarked, Dynamo would specialize n to it, against the inputs' marks)."""
+    if not program.row_states:
+        return []
+    return [
+        "",
+        "",
+        "def mark_state(model):",
+        "    # before each call: per-row state kept across calls is marked dynamic, as the inputs are",
+        f"    for state in {_tuple_source(f'model.{name}' for name in program.row_states)}:",
+        "        if state is not None and state.shape[0] > 1:",
+        "            torch._dynamo.mark_dynamic(state, 0)",
     ]
 
 

@@ -178,7 +178,7 @@ def test_a_seed_always_gives_the_same_program_and_sizes():
 def test_every_production_is_reachable():
     programs = [fuzz.generate(seed) for seed in range(500)]
     used = {p for program in programs for p in program.productions}
-    assert used == {p.name for p in fuzz.PRODUCTIONS}
+    assert used == {p.name for p in fuzz.PRODUCTIONS if p.family != "state"}  # state: test_fuzz_sequences.py
     splits = {p.name for p in fuzz.PRODUCTIONS if p.family == "split"}
     assert any(p.productions[0] in splits for p in programs)  # a split op first
     assert any(p.productions[-1] in splits for p in programs)  # ... and last
