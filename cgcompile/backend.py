@@ -110,6 +110,9 @@ class Backend:
         self._eager_compiles = EagerPieceCompiles(dict(self.config.inductor_options), self.config.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
         self._fused_copies: dict[tuple, torch.Tensor] = {}  # Config.fuse_sibling_linears, by source
+        # Ops a capture failed on (capture recovery), by target: later graphs split there
+        # at once instead of failing a capture and searching again.
+        self._uncapturable: dict[Any, str] = {}
 
     def __deepcopy__(self, memo) -> "Backend":
         # A Backend is the one compile context of its graphs (pool, captured graphs, stats):
@@ -266,12 +269,20 @@ class Backend:
         )
         eager = classify_nodes(
             gm,
-            op_reason=self.config.split_ops.reason,
+            op_reason=self._split_reason,
             capture_symbol=analysis.capture_dim.symbol if analysis.capture_dim else None,
             on_accelerator=analysis.device.type != "cpu",
             mutable_inputs=mutable,
         )
         return split_graph(gm, eager)
+
+    def _split_reason(self, target) -> str | None:
+        """Why an op is split: Config's split ops, then ops whose capture failed before."""
+        reason = self.config.split_ops.reason(target)
+        if reason is None and target in self._uncapturable:
+            reason = (f"{self._uncapturable[target]} failed CUDA graph capture in an earlier graph of this "
+                      f"Backend (capture recovery)")
+        return reason
 
     def _choose_sizing(self, split: SplitGraph, analysis: GraphAnalysis) -> GraphSizing:
         symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
@@ -299,7 +310,9 @@ class Backend:
         return CallSizing(analysis.capture_index, analysis.capture_dim.dim, policy)
 
     def _build_runners(self, graph_index: int, split: SplitGraph, analysis: GraphAnalysis,
-                       sizing: GraphSizing, step: StepSize) -> list[PieceRunner]:
+                       sizing: GraphSizing, step: StepSize, *, resplit: bool = False) -> list[PieceRunner]:
+        """resplit: `split` cuts one piece (recovery); its own inputs come from other pieces
+        of the graph too, so every input is handed over in the traced layout."""
         piece_outputs = {out for spec in split.pieces for out in spec.outputs}
         runners = []
         for spec in split.pieces:
@@ -312,7 +325,8 @@ class Backend:
             self.stats.capturable_pieces += 1
             fn = self._compiler.compile(spec, analysis.capture_dim.symbol if analysis.capture_dim else None)
             self.stats.compilations = self._compiler.compilations
-            from_pieces = tuple(i for i, node in enumerate(spec.inputs) if node in piece_outputs)
+            from_pieces = tuple(i for i, node in enumerate(spec.inputs)
+                                if node in piece_outputs or (resplit and node.op == "placeholder"))
             runners.append(self._make_runner(piece, spec, fn, analysis, sizing, step, from_pieces))
         if not any(s.capturable for s in split.pieces):
             log.warning(
@@ -403,16 +417,30 @@ class Backend:
             sub = dataclasses.replace(sub, pieces=tuple(
                 dataclasses.replace(p, name=f"{spec.name}.{p.name}") for p in sub.pieces
             ))
-            new_runners = self._build_runners(graph_index, sub, analysis, sizing, top.step)
+            new_runners = self._build_runners(graph_index, sub, analysis, sizing, top.step, resplit=True)
             replacement = GraphRuntime(sub.stitch, new_runners, (), self.config.cudnn_attention, None, top.step)
             self._arm_recovery(graph_index, top, replacement, sub, analysis, sizing)
             reason = f"capture_failed: split at {found.node.name} ({found.op}), see {runner.piece_name}.*"
-        log.warning("cgcompile: capturing %s failed: %s. %s", runner.piece_name, _first_line(error),
-                    found.advice if found else "It runs eagerly from now on.")
+        self._warn_uncapturable(runner.piece_name, found, error)
         self._replace_record(runner.piece_name, reason)
         owner.replace_runner(runner, replacement, new_runners)
         top.runners.extend(r for r in new_runners if r not in top.runners)
         return replacement(*args)
+
+    def _warn_uncapturable(self, piece_name: str, found, error: CaptureError) -> None:
+        """One warning per op that fails capture: later graphs split there without trying."""
+        cause = _first_line(error.__cause__ or error)
+        if found is None:
+            log.warning("cgcompile: capturing %s failed (%s) and no single node could be blamed; "
+                        "that piece runs eagerly from now on", piece_name, cause)
+            return
+        if found.node.op == "call_function":
+            if found.node.target in self._uncapturable:
+                return
+            self._uncapturable[found.node.target] = found.op
+        log.warning("cgcompile: %s cannot be captured in a CUDA graph (%s); %s splits there, and so do "
+                    "later graphs of this Backend. To skip the search: %s",
+                    found.op, cause, piece_name, found.advice)
 
     def _replace_record(self, name: str, reason: str) -> None:
         for i, piece in enumerate(self.pieces):

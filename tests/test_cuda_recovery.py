@@ -46,3 +46,55 @@ def test_opaque_op_that_reads_on_the_host_is_split_out(compiler, caplog):
     assert "[capture_failed]" in eager[0].reason
     assert backend.stats.graphs_captured >= 4  # the parts before and after, at sizes 4 and 8
     assert "splitting_ops=['cgcompile_recovery_test::reads_on_host']" in caplog.text
+
+
+def _another_model(x):
+    y = torch.cos(x) @ W
+    y = torch.ops.cgcompile_recovery_test.reads_on_host(y) + 1.0
+    return torch.tanh(y)
+
+
+@pytest.mark.cuda
+def test_a_later_graph_splits_at_a_known_uncapturable_op_without_searching(caplog):
+    global W
+    W = torch.randn(16, 16, device="cuda")
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(1, 2, 4, 8)))
+    first, second = torch.compile(_model, backend=backend), torch.compile(_another_model, backend=backend)
+    for n in (3, 5, 3):
+        x = torch.randn(n, 16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(first(x), _model(x))
+        torch.testing.assert_close(second(x), _another_model(x))
+    later = [p for p in backend.pieces if p.graph_index == 1]
+    assert not any((p.reason or "").startswith("capture_failed") for p in later)  # no failed capture
+    assert any("failed CUDA graph capture in an earlier graph" in (p.reason or "") for p in later)
+    assert caplog.text.count("cannot be captured in a CUDA graph") == 1  # one warning per op
+    assert "failed: capturing" not in caplog.text  # the message does not repeat itself
+
+
+LIB.define("column_major(Tensor x) -> Tensor")
+# Eagerly a column-major result where the fake promises a row-major one, as SDPA's CUDA
+# kernels return heads-outer results: the pieces after it must get the traced layout.
+LIB.impl("column_major", lambda x: (x * 1.0).t().contiguous().t(), "CUDA")
+LIB.impl("column_major", lambda x: torch.empty_like(x), "Meta")
+
+
+def _layout_model(x):
+    u = torch.ops.cgcompile_recovery_test.column_major(x)
+    y = torch.ops.cgcompile_recovery_test.reads_on_host(torch.sin(u) @ W)
+    return torch.relu(y) + u * 2.0  # u reaches the piece after the cut
+
+
+@pytest.mark.cuda
+def test_pieces_after_a_recovered_cut_get_inputs_in_their_traced_layout():
+    global W
+    W = torch.randn(16, 16, device="cuda")
+    config = cgcompile.Config(compiler="inductor", capture_sizes=(1, 2, 4, 8),
+                              splitting_ops=["cgcompile_recovery_test::column_major"])
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(_layout_model, backend=backend)
+    for n in (3, 5, 8, 3):
+        x = torch.randn(n, 16, device="cuda")
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), _layout_model(x))
+    assert any((p.reason or "").startswith("capture_failed: split at ") for p in backend.pieces)
