@@ -172,3 +172,36 @@ def torch_compile_call_of(compiled):
                 return candidate
             candidate = getattr(candidate, "_torchdynamo_orig_backend", None)
     return None
+
+
+def shape_env_of(values):
+    """The ShapeEnv behind the fake tensors or SymInts in `values`, or None (all static)."""
+    for value in values:
+        if isinstance(value, torch.SymInt):
+            return value.node.shape_env
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    return fake_mode.shape_env if fake_mode is not None else None
+
+
+def size_facts(shape_env, symbols: set) -> tuple[dict, list]:
+    """What `shape_env` assumes about `symbols`: each one's value range, and the guards
+    and deferred runtime asserts that mention only these symbols (as sympy expressions)."""
+    ranges = {s: shape_env.var_to_range.get(s) for s in symbols}
+    facts = [g.expr for g in shape_env.guards]
+    facts += [a.expr for asserts in shape_env.deferred_runtime_asserts.values() for a in asserts]
+    return ranges, [e for e in facts if e.free_symbols and e.free_symbols <= symbols]
+
+
+def free_unbacked_symbols(value) -> set:
+    """The symbols in `value` with no hint (sizes from data, `.item()`): never guarded."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols as _free_unbacked
+
+    return set(_free_unbacked(value))
+
+
+def fresh_inductor_cache():
+    """A context with empty, private Inductor and AOTAutograd caches (for tests)."""
+    import torch._inductor.utils as inductor_utils
+
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return fresh()

@@ -1,10 +1,23 @@
-"""Compile capturable pieces once per distinct (code, input metadata), and share the result.
+"""Compile capturable pieces once per distinct (code, input metadata, size assumptions),
+and share the result.
 
 The layers of a transformer split into pieces with the same code and the same input
 shapes and dtypes; only the parameters they are handed differ. Such pieces get one
 compiled function, so compile time does not grow with depth. With `compile_sizes`, each
 such function also gets one specialised compile per listed size (see `size_specialise`),
 shared the same way.
+
+Two things make sharing sound across the Dynamo graphs of one Backend, each with its own
+ShapeEnv:
+
+- The key holds what the ShapeEnv assumes about the symbols in the piece's input sizes
+  (value ranges, guards such as `s0 >= 8` or `Eq(Mod(s0, 2), 0)`): a name like `s0` alone
+  says nothing about them, and Inductor's code may depend on them.
+- A compile may add guards (specialise a size). Its result is stored under the key of the
+  ShapeEnv after the compile, so a graph that lacks those guards misses and compiles
+  itself, and gets the guards. Inductor's own caches re-add a cached compile's guards
+  only through the graph's SymInt inputs, and a piece takes a symbol that a tensor
+  dimension carries as no SymInt: `compile_keeping_guards` adds those inputs.
 """
 
 from __future__ import annotations
@@ -16,9 +29,9 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 
-from .compat import inductor_compile
+from .compat import free_symbols, free_unbacked_symbols, inductor_compile, shape_env_of, size_facts
 from .passes import PieceSpec, example_value
-from .size_specialise import SizeSpecialised, find_size_probe, trace_at_size
+from .size_specialise import SizeProbe, SizeSpecialised, find_size_probe, trace_at_size
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +47,90 @@ def describe_input(value) -> str:
     return repr(value)
 
 
+def _size_symbols(values: Sequence) -> set[sympy.Symbol]:
+    return set().union(*(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt))))
+
+
+def _size_assumptions(values: Sequence) -> tuple:
+    """What the ShapeEnv assumes about the symbols in `values`' sizes, in a canonical form:
+    each symbol's value range, and the sorted guards and runtime asserts over these symbols
+    only. Symbol names stay as they are: the code and input descriptions in the cache key
+    name them too, and identical layers of one graph share them."""
+    symbols = _size_symbols(values)
+    if not symbols:
+        return ()
+    ranges, facts = size_facts(shape_env_of(values), symbols)
+    return (tuple((str(s), str(r)) for s, r in sorted(ranges.items(), key=lambda item: str(item[0]))),
+            tuple(sorted(set(map(str, facts)))))
+
+
 def _cache_key(spec: PieceSpec) -> tuple:
     def meta(value):
         if isinstance(value, torch.Tensor):
             return (describe_input(value), tuple(map(str, value.stride())), str(value.device))
         return describe_input(value)
 
+    values = [example_value(n) for n in spec.inputs]
     attrs = tuple(id(getattr(spec.graph, n.target)) for n in spec.graph.graph.nodes if n.op == "get_attr")
-    return (spec.graph.code, tuple(meta(example_value(n)) for n in spec.inputs), attrs)
+    return (spec.graph.code, tuple(meta(v) for v in values), attrs, _size_assumptions(values))
+
+
+def _unpassed_size_probes(values: Sequence) -> list[SizeProbe]:
+    """Where to read each backed symbol of the inputs' sizes that no input passes as a
+    SymInt: a tensor dimension that is the symbol itself. The split gives every piece
+    each symbol its inputs hold as one or the other (`passes/split.py`)."""
+    passed = {v.node.expr for v in values if isinstance(v, torch.SymInt)}
+    probes: dict[sympy.Symbol, SizeProbe] = {}
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    probes.setdefault(size.node.expr, SizeProbe(i, d))
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    missing = sorted(_size_symbols(tensors) - free_unbacked_symbols(tensors) - passed, key=str)
+    assert all(s in probes for s in missing), f"size symbols {missing} not all carried by the piece's inputs"
+    return [probes[s] for s in missing]
+
+
+def _with_size_inputs(gm: torch.fx.GraphModule, sizes: Sequence[torch.SymInt]) -> torch.fx.GraphModule:
+    """`gm` with one leading placeholder per size in `sizes`, used by nothing."""
+    graph = torch.fx.Graph()
+    for size in sizes:
+        graph.placeholder(str(size.node.expr)).meta["example_value"] = size
+    graph.output(graph.graph_copy(gm.graph, {}))
+    wrapped = torch.fx.GraphModule(gm, graph)
+    wrapped.meta.update(gm.meta)
+    return wrapped
+
+
+class _SizesFirst:
+    """Calls code compiled by `compile_keeping_guards` with its leading size inputs, read
+    from the call's tensors."""
+
+    __slots__ = ("compiled", "reads")
+
+    def __init__(self, compiled: Callable, probes: Sequence[SizeProbe]):
+        self.compiled = compiled
+        self.reads = tuple((p.index, p.dim) for p in probes)
+
+    def __call__(self, *args):
+        return self.compiled(*[args[i].shape[d] for i, d in self.reads], *args)
+
+
+def compile_keeping_guards(gm: torch.fx.GraphModule, values: list, options: dict[str, Any]) -> Callable:
+    """Inductor's compile of a piece for the fake `values`, such that one served from
+    Inductor's caches adds the guards to the ShapeEnv that a fresh compile adds.
+
+    Why this works: on a cache hit, FxGraphCache and AOTAutogradCache re-evaluate the
+    stored guards on the graph's backed SymInt inputs, and store only the guards over
+    those symbols. A piece takes as a SymInt only the symbols no tensor dimension of its
+    inputs carries, so the others are added here as leading inputs.
+    """
+    probes = _unpassed_size_probes(values)
+    if not probes:
+        return inductor_compile(gm, values, options)
+    sizes = [values[p.index].shape[p.dim] for p in probes]
+    return _SizesFirst(inductor_compile(_with_size_inputs(gm, sizes), [*sizes, *values], options), probes)
 
 
 class PieceCompiler:
@@ -73,19 +162,22 @@ class PieceCompiler:
         if isinstance(probe, str):
             log.info("cgcompile: %s keeps its general compile at every size: %s", spec.name, probe)
             return general
-        key = _cache_key(spec)
+        key = _cache_key(spec)  # after the general compile, with the guards it added
         return SizeSpecialised(general, probe, self.compile_sizes,
                                lambda size, args: self._at_size(key, spec.graph, size, args))
 
     def _general(self, spec: PieceSpec) -> Callable:
         if self.compiler == "eager":
             return spec.graph
-        key = _cache_key(spec)
-        if key not in self._cache:
+        fn = self._cache.get(_cache_key(spec))
+        if fn is None:
             example_inputs = [example_value(n) for n in spec.inputs]
-            self._cache[key] = inductor_compile(spec.graph, example_inputs, self.inductor_options)
+            fn = compile_keeping_guards(spec.graph, example_inputs, self.inductor_options)
             self.compilations += 1
-        return self._cache[key]
+            # Under the key after the compile: it holds the guards the compile added, which
+            # a graph must have to run this code.
+            self._cache[_cache_key(spec)] = fn
+        return fn
 
     def _at_size(self, key: tuple, gm: torch.fx.GraphModule, size: int, args: Sequence) -> Callable:
         """The piece's code compiled for the shapes of `args` (capture dimension = size)."""

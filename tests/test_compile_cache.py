@@ -1,0 +1,85 @@
+"""The shared compile cache (`PieceCompiler`): pieces with the same code and input
+descriptions share a compile only when their graphs assume the same about the sizes, and
+a compile served from a cache brings back the guards it added."""
+
+import torch
+from torch._dynamo.utils import counters
+
+import cgcompile
+from cgcompile.compat import fresh_inductor_cache
+
+
+def _backend() -> cgcompile.Backend:
+    return cgcompile.Backend(cgcompile.Config(compiler="inductor", capture_sizes=(1, 2, 4, 8)))
+
+
+def _rows(n: int) -> torch.Tensor:  # [n, 8], n dynamic unless the code specialises it
+    x = torch.randn(n, 8)
+    torch._dynamo.maybe_mark_dynamic(x, 0)
+    return x
+
+
+def first_eight(x):  # x: [n, 8]; Dynamo guards n < 8 or n >= 8
+    return x[:8] * 2.0
+
+
+def test_a_graph_that_assumes_other_sizes_gets_its_own_compile():
+    # Both graphs have one piece with the same code over f32[s77, 8]; one assumes s77 <= 7
+    # (the slice keeps s77 rows), the other s77 >= 8 (it keeps 8). Shared, the second
+    # would return 10 rows at n=10.
+    backend = _backend()
+    compiled = torch.compile(first_eight, backend=backend)
+    for n in (3, 10):
+        x = _rows(n)
+        torch.testing.assert_close(compiled(x), first_eight(x))
+    first, second = backend.pieces
+    assert (first.graph.code, first.input_shapes) == (second.graph.code, second.input_shapes)
+    assert backend.stats.graphs_seen == 2 and backend.stats.compilations == 2
+
+
+def test_graphs_that_assume_the_same_sizes_share_a_compile():
+    def double(x):  # x: [n, 8]
+        return x * 2.0
+
+    backend = _backend()
+    for _ in range(2):  # two compiled functions: two Dynamo graphs, two ShapeEnvs
+        compiled = torch.compile(double, backend=backend)
+        x = _rows(5)
+        torch.testing.assert_close(compiled(x), double(x))
+        torch._dynamo.reset()
+    assert backend.stats.graphs_seen == 2 and backend.stats.compilations == 1
+
+
+EDGE = torch.randn(1, 8)
+
+
+def shift(x):  # x: [n, 8]; at n=2 one row is left of x[1:], and Inductor specialises n
+    return torch.cat([x[1:], EDGE], dim=0) * 2.0
+
+
+def test_a_piece_specialised_by_its_compile_is_not_shared_with_a_graph_without_the_guard():
+    # The compile at n=2 adds n == 2 to the first graph's ShapeEnv; the graph for n=3 must
+    # not run that code (it would fail Inductor's size assertion).
+    with fresh_inductor_cache():
+        backend = _backend()
+        compiled = torch.compile(shift, backend=backend)
+        for n in (2, 3, 2):
+            x = _rows(n)
+            torch.testing.assert_close(compiled(x), shift(x))
+    assert backend.stats.graphs_seen == 2 and backend.stats.compilations == 2
+
+
+def test_a_piece_served_from_inductors_cache_brings_back_its_guards():
+    # A second process, as it were: a new Backend and Dynamo state, Inductor's caches warm.
+    with fresh_inductor_cache():
+        for source in ("compiled", "from Inductor's cache"):
+            torch._dynamo.reset()
+            counters.clear()
+            backend = _backend()
+            compiled = torch.compile(shift, backend=backend)
+            for n in (2, 3):
+                x = _rows(n)
+                torch.testing.assert_close(compiled(x), shift(x))
+            assert backend.stats.graphs_seen == 2, source
+        assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] >= 2
+
