@@ -4,18 +4,31 @@ cgcompile and compared with eager at sizes on and off the capture sizes.
     python -m cgcompile.fuzz --cases 2000 --seed 0 [--compiler eager|inductor|both]
                              [--device cpu|cuda] [--padding true|none|false]
                              [--full-graph off|pieces|whole] [--path compiled|breakable]
+                             [--sequence [LENGTH]]
 
 A case is one seed: `generate(seed)` builds a `Program` (a model written as Python
 source, from the grammar in `cgcompile.fuzz_grammar`), `run_case` compiles one instance
 with `cgcompile.Backend` (or runs it from breakable graphs: `--path breakable`) and
 compares it with another, run eagerly, at a few sizes of the capture dimension
-(`case_sizes`: a capture size, one between capture sizes, one above the largest). Where
-a size is called more than once in a row (full graphs, breakable graphs: observe,
-capture, replay), each call's float inputs are scaled differently, so that a replay
-reading what an earlier call left behind shows. A failure is shrunk (`shrink`: drop
-sizes and steps while it persists) and reported as a standalone script (`reproducer`);
-`run_campaign` groups failures into classes by the productions their shrunk programs
-keep.
+(`case_sizes`: a capture size, one between capture sizes, one above the largest, then a
+return to one of them). Where a size is called more than once in a row (full graphs,
+breakable graphs: observe, capture, replay), each call's float inputs are scaled
+differently, so that a replay reading what an earlier call left behind shows.
+
+The sequence mode (`--sequence [LENGTH]`, `Setup.sequence`) runs each case as a walk of
+LENGTH sizes (8 by default; `sequence_sizes`) that mixes 1, capture sizes, sizes between
+and above them, and returns to earlier ones, e.g. (1, 3, 1, 8, 3, 16, 1, 1); and its
+programs keep state across calls (the grammar's "state" productions: a plain attribute
+holding a view of a tensor the call made, read by the next call, as a sliding-window KV
+cache). The reference and the compiled model each keep their own state and see the same
+calls, so their outputs must match at every call: state that aliases graph memory some
+later graph (another size, another Dynamo graph) overwrites shows as a mismatch. On
+`--path breakable` the walks run programs without state (see `Setup.case`).
+
+A failure is shrunk (`shrink`: drop sizes, keeping a return the failure needs, and
+steps while it persists) and reported as a standalone script (`reproducer`, which prints
+the sizes in order); `run_campaign` groups failures into classes by the productions
+their shrunk programs keep.
 
 Statuses: a compiled result that differs from eager beyond float reordering (`error`
 above 1) is a "mismatch"; an exception from the compiled model where eager ran is an
@@ -47,12 +60,13 @@ from .config import Config
 from .fuzz_grammar import HEADER, PRODUCTIONS, Program, generate, load, source
 
 __all__ = [
-    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PATHS", "PRODUCTIONS", "Outcome", "Program", "Report", "Setup",
-    "case_sizes", "compare", "error", "generate", "load", "main", "reproducer", "run_campaign", "run_case", "shrink",
-    "source",
+    "CAPTURE_SIZES", "FAILURES", "FULL_GRAPH_MODES", "PATHS", "PRODUCTIONS", "SEQUENCE_LENGTH", "Outcome", "Program",
+    "Report", "Setup", "case_sizes", "compare", "error", "generate", "load", "main", "reproducer", "run_campaign",
+    "run_case", "sequence_sizes", "shrink", "source",
 ]
 
 CAPTURE_SIZES = (1, 2, 4, 8)
+SEQUENCE_LENGTH = 8  # sizes a case runs in the sequence mode, by default
 RTOL, ATOL = 1e-4, 1e-5  # ATOL against the output's largest |eager value|, at least 1
 
 
@@ -60,8 +74,9 @@ RTOL, ATOL = 1e-4, 1e-5  # ATOL against the output's largest |eager value|, at l
 
 
 def case_sizes(seed: int) -> tuple[int, ...]:
-    """One capture size, one size between them, one above the largest; sometimes 1 last
-    (Dynamo compiles n=1 as a static graph of its own)."""
+    """One capture size, one size between them, one above the largest; sometimes 1 (Dynamo
+    compiles n=1 as a static graph of its own); then a return to one of them but the last
+    (cheap: nothing new to compile, but graphs of other sizes ran in between)."""
     rng = random.Random(f"sizes-{seed}")
     sizes = [rng.choice((3, 5, 6, 7)), rng.choice((2, 4, 8)), rng.choice((9, 11, 13, 16))]
     rng.shuffle(sizes)
@@ -69,7 +84,41 @@ def case_sizes(seed: int) -> tuple[int, ...]:
         sizes.append(sizes.pop(0))
     if rng.random() < 0.25:
         sizes.append(1)
+    sizes.append(rng.choice(sizes[:-1]))  # drawn last: the sizes before stay what they were
     return tuple(sizes)
+
+
+def sequence_sizes(seed: int, length: int = 8) -> tuple[int, ...]:
+    """A walk of `length` sizes that returns to earlier ones, as a server's batch sizes do:
+    1, a capture size, one between capture sizes, one above the largest (and sometimes a
+    second between), each at least once where `length` allows, mixed with returns to a
+    size seen before and stays at the last one (state a call keeps is read back at its n).
+    E.g. (1, 3, 1, 8, 3, 16, 1, 1). Never 2 as the first n above 1 (see `case_sizes`)."""
+    rng = random.Random(f"sequence-{seed}")
+    kinds = [1, rng.choice((2, 4, 8)), rng.choice((3, 5, 6, 7)), rng.choice((9, 11, 13, 16))]
+    if rng.random() < 0.5:
+        kinds.append(rng.choice([n for n in (3, 5, 6, 7) if n not in kinds]))
+    rng.shuffle(kinds)
+    unseen = kinds[: max(length - 1, 1)]  # room for one return at least
+    sizes = [unseen.pop()]
+    while len(sizes) < length:
+        if unseen and (len(unseen) >= length - len(sizes) or len(sizes) < 2 or rng.random() < 0.5):
+            sizes.append(unseen.pop())
+        elif rng.random() < 0.25:
+            sizes.append(sizes[-1])
+        else:
+            sizes.append(rng.choice([n for n in sizes if n != sizes[-1]] or sizes))
+    return _first_dynamic_n_not_2(sizes)
+
+
+def _first_dynamic_n_not_2(sizes: list[int]) -> tuple[int, ...]:
+    """Where 2 is the first n above 1, swap it with the next other n above 1 everywhere:
+    the walk keeps its returns."""
+    dynamic = [n for n in sizes if n > 1]
+    other = next((n for n in dynamic if n != 2), None)
+    if not dynamic or dynamic[0] != 2 or other is None:
+        return tuple(sizes)
+    return tuple({2: other, other: 2}.get(n, n) for n in sizes)
 
 
 FULL_GRAPH_MODES = ("off", "pieces", "whole")
@@ -84,6 +133,7 @@ class Setup:
     full graph being the whole graph compiled as one: `Config.full_graph_compile`). With
     full graphs each size is called `calls` times in a row: the first call of a size runs
     piecewise, the second captures, the third replays. fuse_sibling_linears: the Config field.
+    sequence: 0, or the length of the walk of sizes each case runs (`case`).
     path "breakable": no compile; `GraphManager` runs the model from breakable graphs
     (`op_replay` segments on the CPU), each size called three times (observe, capture,
     replay); the compiler and full-graph fields do not apply, and padding=True pads on the
@@ -95,6 +145,17 @@ class Setup:
     full_graph: str = "off"
     fuse_sibling_linears: bool = False
     path: str = "compiled"
+    sequence: int = 0
+
+    def case(self, seed: int) -> tuple[Program, tuple[int, ...]]:
+        """A seed's program and sizes: `case_sizes`, or with `sequence` a walk of that many
+        sizes (`sequence_sizes`) and, on the compiled path, a program that keeps state in
+        attributes across calls. (Breakable graphs replay what a captured op read from an
+        attribute as it was at capture: state a call changes must be read in an eager
+        break, README "Breakable CUDA graphs", which these programs do not do.)"""
+        if self.sequence:
+            return generate(seed, stateful=self.path == "compiled"), sequence_sizes(seed, self.sequence)
+        return generate(seed), case_sizes(seed)
 
     @property
     def calls(self) -> int:
@@ -148,6 +209,7 @@ class Outcome:
     full_calls: int = 0  # calls that took the full path (Setup.full_graph)
     fused_linears: int = 0  # linears fused away (Setup.fuse_sibling_linears)
     breakable_graphs: int = 0  # breakable graphs captured (Setup.path "breakable")
+    position: int | None = None  # where in the case's sizes `size` failed (a size may recur)
 
     @property
     def kind(self) -> str:
@@ -169,10 +231,10 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
         return _run_breakable(program, namespace, reference, model, sizes, setup)
     backend = Backend(setup.config())
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    outcome = _run_sizes(program, namespace, reference, compiled, sizes, setup)
+    outcome = _run_sizes(program, namespace, reference, compiled, sizes, setup, _state_marker(namespace, model))
     if setup.device == "cuda":
         backend.clear()  # return the case's graph pool before the next case
-    tried = sizes[: sizes.index(outcome.size) + 1] if outcome.status == "error" else ()
+    tried = sizes[: _failing_position(sizes, outcome) + 1] if outcome.status == "error" else ()
     if tried and _rejected_by_torch(program, namespace, tried, setup):
         detail = f"torch.compile rejects it too: {outcome.detail}"
         outcome = dataclasses.replace(outcome, status="invalid", detail=detail)
@@ -187,23 +249,33 @@ def _run_breakable(program: Program, namespace: dict, reference, model, sizes, s
 
     manager = GraphManager(model, setup.config(), boundary=None, segments=setup.segments)
     outcome = _run_sizes(program, namespace, reference, lambda *inputs: manager.run_pw_graph(model, inputs),
-                         sizes, setup)
+                         sizes, setup, _state_marker(namespace, model))
     graphs = manager.breakable.graph_count()
     if setup.device == "cuda":
         manager.clear()  # return the case's graph pool before the next case
     return dataclasses.replace(outcome, breakable_graphs=graphs)
 
 
-def _run_sizes(program: Program, namespace: dict, reference, compiled, sizes, setup: Setup) -> Outcome:
-    """Each size `setup.calls` times in a row, in order; the first outcome that is not ok."""
+def _state_marker(namespace: dict, model) -> Callable[[], None]:
+    """What runs before each call of the compiled model: the program's `mark_state`."""
+    mark_state = namespace.get("mark_state")
+    return (lambda: mark_state(model)) if mark_state else (lambda: None)
+
+
+def _run_sizes(program: Program, namespace: dict, reference, compiled, sizes, setup: Setup,
+               before_call: Callable[[], None]) -> Outcome:
+    """Each size `setup.calls` times in a row, in order; the first outcome that is not ok.
+    The reference and the compiled model see the same calls in the same order, so state
+    either keeps across calls is the same in both where cgcompile is right."""
     names = [v.name for v in program.outputs]
     with _grad_mode(program), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for n in sizes:
+        for position, n in enumerate(sizes):
             for call in range(setup.calls):
+                before_call()
                 outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names, call)
                 if outcome.status != "ok":
-                    return outcome
+                    return dataclasses.replace(outcome, position=position)
     return Outcome("ok")
 
 
@@ -214,7 +286,7 @@ def _run_size(make_inputs, reference, compiled, n: int, device: str, names, call
             for t in inputs:
                 if t.is_floating_point():
                     t.mul_(1.0 + 0.5 * call)
-    before = copy.deepcopy(reference)  # its buffers as they were before this call
+    before = copy.deepcopy(reference)  # its buffers and state as they were before this call
     try:
         want = reference(*inputs)
     except Exception as e:  # the generator wrote a program eager rejects
@@ -241,10 +313,12 @@ def _rejected_by_torch(program: Program, namespace: dict, sizes: Sequence[int], 
     torch._dynamo.reset()
     model = namespace["Model"]().to(setup.device)
     compiled = torch.compile(model, backend="inductor" if setup.compiler == "inductor" else "eager", fullgraph=True)
+    before_call = _state_marker(namespace, model)
     try:
         with _grad_mode(program), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for n in sizes:
+                before_call()
                 compiled(*namespace["make_inputs"](n, setup.device))
     except Exception:
         return True
@@ -329,7 +403,9 @@ Check = Callable[[Program, tuple[int, ...]], Outcome]
 def shrink(program: Program, sizes: tuple[int, ...], outcome: Outcome, check: Check, budget_s: float = 60.0):
     """Drop sizes, then steps, while `check` (`run_case` under one setup) still fails the
     same way (`Outcome.kind`). Returns the smallest (program, sizes, outcome) found
-    within the time budget."""
+    within the time budget. Sizes: the failing size alone or after one earlier size,
+    else the walk up to the failure with single sizes dropped (a failure that needs a
+    size revisited keeps the calls in between)."""
     deadline = time.monotonic() + budget_s
 
     def still_fails(candidate: Program, candidate_sizes) -> Outcome | None:
@@ -338,11 +414,12 @@ def shrink(program: Program, sizes: tuple[int, ...], outcome: Outcome, check: Ch
         result = check(candidate, candidate_sizes)
         return result if result.kind == outcome.kind else None
 
-    for fewer in _fewer_sizes(sizes, outcome.size):
+    for fewer in _fewer_sizes(sizes, outcome):
         result = still_fails(program, fewer)
         if result:
             sizes, outcome = fewer, result
             break
+    sizes, outcome = _drop_sizes_one_by_one(program, sizes, outcome, still_fails)
     changed = True
     while changed:
         changed = False
@@ -356,13 +433,35 @@ def shrink(program: Program, sizes: tuple[int, ...], outcome: Outcome, check: Ch
     return program, sizes, outcome
 
 
-def _fewer_sizes(sizes: tuple[int, ...], failing: int | None) -> list[tuple[int, ...]]:
-    if failing is None or failing not in sizes:
+def _failing_position(sizes: Sequence[int], outcome: Outcome) -> int | None:
+    if outcome.position is not None:
+        return outcome.position
+    return sizes.index(outcome.size) if outcome.size in sizes else None
+
+
+def _fewer_sizes(sizes: tuple[int, ...], outcome: Outcome) -> list[tuple[int, ...]]:
+    position = _failing_position(sizes, outcome)
+    if position is None:
         return []
-    before = sizes[: sizes.index(failing) + 1]
+    failing, before = sizes[position], sizes[:position]
     options = [(failing,)] if failing > 1 else []
-    options += [(s, failing) for s in before[:-1]]
-    return [o for o in options if len(o) < len(sizes)]
+    options += [(s, failing) for s in dict.fromkeys(before)]
+    options.append(sizes[: position + 1])
+    return [o for o in dict.fromkeys(options) if len(o) < len(sizes)]
+
+
+def _drop_sizes_one_by_one(program: Program, sizes: tuple[int, ...], outcome: Outcome, still_fails):
+    """Each size but the failing one dropped in turn, kept dropped while the case still
+    fails; the walk ends at the failure."""
+    i = 0
+    while len(sizes) > 2 and i < len(sizes) - 1:
+        fewer = sizes[:i] + sizes[i + 1:]
+        result = still_fails(program, fewer)
+        if result:
+            sizes, outcome = fewer[: _failing_position(fewer, result) + 1], result
+        else:
+            i += 1
+    return sizes, outcome
 
 
 def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Outcome | None = None) -> str:
@@ -372,8 +471,10 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         f"# cgcompile fuzz case, seed {program.seed}: python -m cgcompile.fuzz --seed {program.seed} --cases 1 "
         f"--compiler {setup.compiler} --device {setup.device} --padding {padding} --full-graph {setup.full_graph}"
         + (" --fuse-sibling-linears" if setup.fuse_sibling_linears else "")
-        + (f" --path {setup.path}" if setup.path != "compiled" else ""),
+        + (f" --path {setup.path}" if setup.path != "compiled" else "")
+        + (f" --sequence {setup.sequence}" if setup.sequence else ""),
         f"# productions ({program.mode}): {', '.join(program.productions)}",
+        f"# sizes, in order: {tuple(sizes)}",
     ]
     if outcome is not None and outcome.status != "ok":
         lines.append(f"# {outcome.status} at n={outcome.size}: {outcome.detail}")
@@ -389,6 +490,7 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         "        for t in inputs:  # each call of a size its own data, as the fuzzer runs it",
         "            if t.is_floating_point():",
         "                t.mul_(1.0 + 0.5 * call)",
+        *(["        mark_state(model)"] if program.row_states else []),
         "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4,",
         "                                   equal_nan=True, msg=lambda m: f'n={n}: {m}')",
         "print('ok')",
@@ -469,8 +571,8 @@ def run_campaign(
     """Run every seed under every setup; shrink each failure unless a class claims it."""
     report, start = Report(), time.monotonic()
     for seed in seeds:
-        program, sizes = generate(seed), case_sizes(seed)
         for setup in setups:
+            program, sizes = setup.case(seed)
             outcome = run_case(program, sizes, setup)
             key = (setup.compiler, outcome.status)
             report.counts[key] = report.counts.get(key, 0) + 1
@@ -478,7 +580,7 @@ def run_campaign(
             report.full_calls += outcome.full_calls
             report.fused_linears += outcome.fused_linears
             report.breakable_graphs += outcome.breakable_graphs
-            if outcome.status == "ok" and outcome.graphs > 1 + (1 in sizes):
+            if outcome.status == "ok" and not program.stateful and outcome.graphs > 1 + (1 in sizes):
                 report.recompiled.append(seed)
             on_case(seed, setup, outcome)
             if outcome.status in FAILURES:
@@ -519,13 +621,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="compile with Config(fuse_sibling_linears=True)")
     parser.add_argument("--path", choices=PATHS, default="compiled",
                         help="compiled: cgcompile's backend; breakable: GraphManager's breakable graphs, no compile")
+    parser.add_argument("--sequence", type=int, nargs="?", const=SEQUENCE_LENGTH, default=0, metavar="LENGTH",
+                        help=f"each case a walk of LENGTH sizes (default {SEQUENCE_LENGTH}) that returns to earlier "
+                             "ones, and programs that keep state across calls")
     parser.add_argument("--shrink-budget", type=float, default=60.0, help="seconds to shrink each new class")
     parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
     args = parser.parse_args(argv)
     seeds = range(args.seed, args.seed + args.cases)
+    if args.sequence == 1:
+        parser.error("expected --sequence of 2 sizes or more, got 1; a walk needs a size to return to")
     if args.show:
+        setup = _setups(args)[0]
         for seed in seeds:
-            print(reproducer(generate(seed), case_sizes(seed), _setups(args)[0]))
+            print(reproducer(*setup.case(seed), setup))
         return 0
     logging.getLogger("cgcompile").setLevel(logging.ERROR)  # "no capturable piece" etc.
     report = run_campaign(seeds, _setups(args), shrink_budget_s=args.shrink_budget,
@@ -539,7 +647,8 @@ def _setups(args) -> list[Setup]:
     compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
     if args.path == "breakable":
         compilers = ("eager",)  # nothing is compiled: one run per case
-    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears, args.path) for c in compilers]
+    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears, args.path, args.sequence)
+            for c in compilers]
 
 
 def _print_class(cls: FailureClass) -> None:
