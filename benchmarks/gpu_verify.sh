@@ -36,6 +36,12 @@ job fuzz_whole python3 -m cgcompile.fuzz --cases 20 --seed 4000 --device cuda --
 job fuzz_fused python3 -m cgcompile.fuzz --cases 300 --seed 5000 --device cuda --padding none --full-graph pieces \
   --fuse-sibling-linears
 job fuzz_breakable python3 -m cgcompile.fuzz --cases 400 --seed 6000 --device cuda --padding none --path breakable
+# Walks of 8 sizes that return to earlier ones, on programs that keep state (views of what a call made)
+# across calls: twice the calls of a plain case, so 250 cases a job to stay within the limit.
+job fuzz_sequence_a python3 -m cgcompile.fuzz --cases 250 --seed 7000 --device cuda --compiler eager --sequence
+job fuzz_sequence_b python3 -m cgcompile.fuzz --cases 250 --seed 7250 --device cuda --compiler eager --sequence
+job fuzz_sequence_inductor python3 -m cgcompile.fuzz --cases 30 --seed 8000 --device cuda --compiler inductor \
+  --sequence
 job example_sq python3 examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention \
   --batch 3 --new-tokens 32
 job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \
