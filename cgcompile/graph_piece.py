@@ -94,6 +94,24 @@ def _narrow(t: torch.Tensor, dims: tuple[int, ...], n: int) -> torch.Tensor:
     return t
 
 
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...] = (), n: int | None = None) -> None:
+    """Write `src` (n rows along `dims`) into the first n rows of `dst`, the one way every
+    padded input is filled: by a graph's replay, its capture and the padded CPU run alike.
+
+    `dst` has the traced layout, which may repeat one element along a dim (stride 0: a
+    broadcast such as RoPE's `inv_freq[None, :, None].expand(B, -1, 1)`). Such a dim holds
+    one value whatever its size, so only its first element is written (a write through a
+    repeated element is refused), and its padding rows read that same value, harmless
+    where padding is safe at all: padded rows never reach a real one.
+    """
+    if n is not None:
+        dst = _narrow(dst, dims, n)
+    for d in range(dst.dim()):
+        if dst.stride(d) == 0 and dst.shape[d] > 1:
+            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    dst.copy_(src)
+
+
 def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[int, ...]:
     shape = list(t.shape)
     for d in dims:
@@ -169,11 +187,11 @@ class CudaGraphPiece(PieceRunner):
         for copy in entry.copies:
             arg = args[copy.index]
             if arg.data_ptr() != copy.address[0] or arg.stride() != copy.address[1]:
-                dst = copy.buffer
                 if n != size and copy.dims:
-                    dst.zero_()
-                    dst = _narrow(dst, copy.dims, n)
-                dst.copy_(arg)
+                    copy.buffer.zero_()
+                    copy_rows(copy.buffer, arg, copy.dims, n)
+                else:
+                    copy_rows(copy.buffer, arg)
         if self.session.check_addresses:
             self._check_addresses(entry, args)
         entry.graph.replay()
@@ -237,7 +255,7 @@ class CudaGraphPiece(PieceRunner):
                 in_place.add(i)
             else:
                 buf = self.traced.zeros(i, arg, shape, size)
-                _narrow(buf, dims, n).copy_(arg)
+                copy_rows(buf, arg, dims, n)
                 padded[i] = buf
         for i in self.layout.size_inputs:
             padded[i] = size
@@ -264,7 +282,7 @@ class CudaGraphPiece(PieceRunner):
         self.graphs[size] = entry
         for i in self._copy_inputs:  # the first replay needs the real data
             if isinstance(static_args[i], torch.Tensor) and i not in in_place:
-                static_args[i].copy_(padded[i])
+                copy_rows(static_args[i], padded[i])
         graph.replay()
         narrowed = tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
         for full, view in zip(outputs, narrowed):
@@ -298,7 +316,7 @@ class PaddedPiece(PieceRunner):
         for i, dims in enumerate(self.layout.input_dims):
             if dims and not self.layout.by_address[i]:
                 padded[i] = self.traced.zeros(i, args[i], _padded_shape(args[i], dims, size), size)
-                _narrow(padded[i], dims, n).copy_(args[i])
+                copy_rows(padded[i], args[i], dims, n)
         for i in self.layout.size_inputs:
             padded[i] = size
         outputs = self.fn(*padded)

@@ -1,0 +1,73 @@
+"""Padded inputs by what they are: rows, a broadcast along the rows, module state.
+
+On CPU `Config(padding=True)` pads without graphs; on CUDA the graphs pad. Both fill a
+piece's inputs through `graph_piece.copy_rows`, so both must agree with eager here.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import cgcompile
+from cgcompile.testing import SILLY_OP
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+SIZES = (3, 5, 2, 8, 3)  # padded to 4 and 8, exact at 2 and 8
+
+
+def _backend(device):
+    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=(2, 4, 8),
+                              padding=True if device == "cpu" else None)
+    return cgcompile.Backend(config)
+
+
+def _broadcast_rows(x):  # x: [n, 8]
+    t = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+    shared = t[:1].expand(x.shape[0], 8)  # [n, 8], stride 0 along the rows, made eagerly
+    u = torch.ops.cgcompile_testing.silly_attention(shared, shared, shared)
+    return shared * 2.0 + u.sin()  # a captured piece reads the broadcast as an input
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_input_broadcast_along_the_rows_is_padded(device):
+    backend = _backend(device)
+    compiled = torch.compile(_broadcast_rows, backend=backend)
+    with torch.no_grad():
+        for n in SIZES:
+            x = torch.randn(n, 8, device=device)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), _broadcast_rows(x))
+    assert any(p.sizes.startswith("padded") for p in backend.pieces)
+
+
+class HeldState(nn.Module):
+    """Keeps per-row state on the module, marked static, as a recurrent layer's cache is."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.state = None
+
+    def forward(self, x):  # x: [n, 8], self.state: [n, 4]
+        h = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+        return torch.cat([self.state, self.proj(h)], dim=1).relu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_state_sized_by_the_rows_runs_at_exact_sizes(device):
+    model = HeldState().to(device)
+    backend = _backend(device)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for n in SIZES:
+            x = torch.randn(n, 8, device=device)
+            torch._dynamo.mark_dynamic(x, 0)
+            model.state = torch.randn(n, 4, device=device)
+            torch._dynamo.mark_static_address(model.state)
+            torch._dynamo.mark_dynamic(model.state, 0)
+            want = torch.cat([model.state, model.proj(x + x * x)], dim=1).relu()
+            torch.testing.assert_close(compiled(x), want)
+    captured = [p for p in backend.pieces if p.capturable]
+    assert captured and all(p.sizes.startswith("exact sizes") for p in captured)
+    assert "module state" in captured[0].padding_unsafe
