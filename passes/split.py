@@ -11,6 +11,8 @@ Three phases, each a function below:
      and which it must hand on. Size computations and constants ("floating" nodes)
      are never handed across: each partition that needs them recomputes them from
      their sources, so no `torch.Size` or shape arithmetic crosses a piece boundary.
+     `_add_size_symbols` then gives each partition every size symbol its code needs
+     that its inputs do not carry as such (see there).
   3. `_build_piece` / `_build_stitch`: copy each partition into its own GraphModule
      with canonical names (arg0, arg1, ... and op-derived node names), so that pieces
      with the same code print the same code; then build the stitching graph that
@@ -23,9 +25,11 @@ import dataclasses
 import operator
 from typing import Any
 
+import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..compat import free_symbols
 from .graph_values import example_value, is_view_op
 from .split_rule import SplitReason, is_floating
 
@@ -44,7 +48,11 @@ class PieceSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SplitGraph:
-    """`stitch` calls the pieces (its submodules, named by `PieceSpec.name`) in order."""
+    """`stitch` calls the pieces (its submodules, named by `PieceSpec.name`) in order.
+
+    Every size symbol in a piece's code is carried by one of its inputs as such: a SymInt
+    input that is the symbol, or a tensor input with a dimension of exactly that size.
+    """
 
     stitch: GraphModule
     pieces: tuple[PieceSpec, ...]
@@ -60,9 +68,13 @@ class _Partition:
 
 
 def split_graph(gm: GraphModule, eager: dict[Node, SplitReason]) -> SplitGraph:
+    """Split `gm` at the `eager` nodes. Leaves `gm` as it was but for one kind of node it
+    may add: `sym_size` of a tensor, for a size symbol no SymInt of `gm` carries (Dynamo's
+    graphs have one per symbol; a re-split piece or an ATen graph may not)."""
     partitions = _assign_partitions(gm, eager)
     owner = {node: part for part in partitions for node in part.nodes}
     _detect_dependencies(gm, partitions, owner)
+    _add_size_symbols(gm, partitions, owner)
     pieces = tuple(_build_piece(gm, f"piece_{i}", part, owner) for i, part in enumerate(partitions))
     return SplitGraph(_build_stitch(gm, pieces, owner), pieces)
 
@@ -144,6 +156,111 @@ def _detect_dependencies(gm: GraphModule, parts: list[_Partition], owner: dict[N
         for source in _sources(arg, owner):
             if source in owner:
                 owner[source].outputs[source] = None
+
+
+def _add_size_symbols(gm: GraphModule, parts: list[_Partition], owner: dict[Node, _Partition]) -> None:
+    """Give each partition the size symbols its code needs but no input carries as such.
+
+    A compiler binds a symbol only from an input that is that symbol (Inductor reads
+    `s = arg.size(0)` or takes the SymInt itself). A piece whose tensors are all sized
+    `2*s` (after a `repeat_interleave`), `16*s` (a flatten) or `s + 4` (a pad) cannot
+    recover s from them, and Inductor stops with "expected [s] to have been codegen-ed".
+    Such a piece gets the symbol as one more input: the node that binds it (a SymInt
+    placeholder of the graph, an `.item()` in an earlier piece), or else `sym_size` of
+    the first tensor with it as a dimension, a floating node added to `gm` that the
+    stitching graph computes. A piece re-split later (`capture_recovery`) has its
+    inputs as placeholders, so its own pieces get the symbols the same way.
+    """
+    sources = _SymbolSources(gm, owner)
+    for part in parts:
+        missing = _needed_symbols(part, owner) - _carried_symbols(part.inputs)
+        for symbol in sorted(missing, key=str):  # sorted: equal layers get equal signatures
+            source = sources.node_for(symbol)
+            if source is None:
+                continue  # nothing in the graph binds it: no piece could be given it
+            # The node the stitching graph reads: the source, or the tensor it takes the size of.
+            carrier = source.args[0] if source in sources.added else source
+            if owner.get(carrier) is part:
+                continue  # bound inside the partition: an unbacked size (.item(), nonzero)
+            part.inputs[source] = None
+            if carrier in owner:
+                owner[carrier].outputs[carrier] = None
+
+
+def _needed_symbols(part: _Partition, owner: dict[Node, _Partition]) -> set[sympy.Symbol]:
+    """The symbols in the values of a partition's inputs, its nodes and the floating nodes
+    its copy recomputes (the size arguments of its nodes, transitively)."""
+    code, stack = set(part.nodes) | set(part.inputs), [a for n in part.nodes for a in n.all_input_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in code and node not in owner and node.op != "placeholder":
+            code.add(node)
+            stack.extend(node.all_input_nodes)
+    return {s for node in code for s in _symbols_of(example_value(node))}
+
+
+def _symbols_of(value) -> set[sympy.Symbol]:
+    if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return free_symbols(value)
+    if isinstance(value, (tuple, list)):
+        return {s for v in value for s in _symbols_of(v)}
+    return set()  # dtypes, devices, None: no sizes
+
+
+def _carried_symbols(nodes) -> set[sympy.Symbol]:
+    """The symbols a compiler can bind from these inputs: SymInts and plain tensor dimensions."""
+    carried = set()
+    for node in nodes:
+        value = example_value(node)
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+        carried |= {s.node.expr for s in sizes
+                    if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)}
+    return carried
+
+
+class _SymbolSources:
+    """The node that binds each size symbol, found or made on first request."""
+
+    def __init__(self, gm: GraphModule, owner: dict[Node, _Partition]):
+        self.gm = gm
+        # Nodes a later piece can be handed: placeholders and the partitions' own nodes.
+        self.handable = [n for n in gm.graph.nodes if n.op == "placeholder" or n in owner]
+        self.added: set[Node] = set()
+        self._found: dict[sympy.Symbol, Node | None] = {}
+
+    def node_for(self, symbol: sympy.Symbol) -> Node | None:
+        if symbol not in self._found:
+            self._found[symbol] = self._symint(symbol) or self._sym_size(symbol)
+        return self._found[symbol]
+
+    def _symint(self, symbol) -> Node | None:
+        for node in self.handable:
+            value = example_value(node)
+            if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+                return node
+        return None
+
+    def _sym_size(self, symbol) -> Node | None:
+        for node in self.handable:
+            value = example_value(node)
+            if not isinstance(value, torch.Tensor):
+                continue
+            for d, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                    return self._add_sym_size(node, d, size)
+        return None
+
+    def _add_sym_size(self, tensor: Node, dim: int, size: torch.SymInt) -> Node:
+        # After every placeholder: the graph's signature stays its placeholders in order.
+        anchor = tensor if tensor.op != "placeholder" else self._last_placeholder()
+        with self.gm.graph.inserting_after(anchor):
+            node = self.gm.graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
+        node.meta["example_value" if "example_value" in tensor.meta else "val"] = size
+        self.added.add(node)
+        return node
+
+    def _last_placeholder(self) -> Node:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"][-1]
 
 
 # -- phase 3 ---------------------------------------------------------------------------
