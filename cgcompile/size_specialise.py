@@ -15,8 +15,9 @@ so the graph replays the specialised code.
 Why this is sound: a piece is only specialised when the capture symbol is the only
 symbol in its inputs' shapes, so fixing the inputs' shapes fixes exactly that symbol and
 nothing else (a piece that also depends on a cache length, say, keeps the general
-compile; `why_not_specialised` says so). The size is read from one input dimension that
-is the capture symbol itself, so a call of size n is routed by n, never guessed.
+compile; `why_not_specialised` says so). The size is read from one input that is the
+capture symbol itself, so a call of size n is routed by n, never guessed: a dimension, or
+the SymInt the split hands a piece whose tensors are sized by expressions of it (2*s).
 """
 
 from __future__ import annotations
