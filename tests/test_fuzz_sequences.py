@@ -87,6 +87,27 @@ def test_state_is_a_view_kept_in_a_plain_attribute_and_read_by_the_next_call():
         assert all(isinstance(d, int) or d == N for d in var.shape)
 
 
+def _differs_once_kept_state_is_overwritten(program, sizes) -> bool:
+    """Whether the walk shows it when, after each call, the memory the state kept is
+    written (what a graph that reuses that pool memory would do)."""
+    namespace = fuzz.load(program)
+    reference, model = namespace["Model"](), namespace["Model"]()
+    states = [p.name for step in program.steps for p in step.params if p.kind in ("state", "row_state")]
+    with torch.no_grad():
+        for n in sizes:
+            inputs = namespace["make_inputs"](n, "cpu")
+            if fuzz.error(model(*inputs), reference(*inputs)) > 1:
+                return True
+            for name in states:
+                getattr(model, name).add_(1.0)  # through the view, into the memory it keeps
+    return False
+
+
+def test_state_overwritten_between_calls_shows_as_a_mismatch():
+    cases = [SEQUENCE.case(seed) for seed in range(20)]
+    assert sum(_differs_once_kept_state_is_overwritten(*case) for case in cases) >= 16
+
+
 def test_reproducer_of_a_stateful_case_runs_standalone():
     program, sizes = next((p, s) for p, s in map(SEQUENCE.case, range(100)) if p.row_states)
     script = fuzz.reproducer(program, sizes, SEQUENCE)
