@@ -628,8 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print the program of each seed and exit")
     args = parser.parse_args(argv)
     seeds = range(args.seed, args.seed + args.cases)
-    if args.sequence == 1:
-        parser.error("expected --sequence of 2 sizes or more, got 1; a walk needs a size to return to")
+    if args.sequence and args.sequence < 2:
+        parser.error(f"expected --sequence of 2 sizes or more, got {args.sequence}; a walk needs a size to return to")
     if args.show:
         setup = _setups(args)[0]
         for seed in seeds:
