@@ -112,11 +112,11 @@ def sequence_sizes(seed: int, length: int = 8) -> tuple[int, ...]:
 
 
 def _first_dynamic_n_not_2(sizes: list[int]) -> tuple[int, ...]:
-    """Where 2 is the first n above 1, swap it with the next other n above 1 everywhere:
-    the walk keeps its returns."""
+    """Where 2 is the first n above 1, swap it with the next other n above 1 (or 4)
+    everywhere: the walk keeps its returns."""
     dynamic = [n for n in sizes if n > 1]
-    other = next((n for n in dynamic if n != 2), None)
-    if not dynamic or dynamic[0] != 2 or other is None:
+    other = next((n for n in dynamic if n != 2), 4)
+    if not dynamic or dynamic[0] != 2:
         return tuple(sizes)
     return tuple({2: other, other: 2}.get(n, n) for n in sizes)
 
