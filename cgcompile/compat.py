@@ -205,3 +205,8 @@ def fresh_inductor_cache():
 
     fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
     return fresh()
+
+
+def value_range_within(inner, outer) -> bool:
+    """True when the ValueRanges `inner` lies within `outer`."""
+    return inner.issubset(outer)

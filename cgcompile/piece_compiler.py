@@ -1,5 +1,5 @@
-"""Compile capturable pieces once per distinct (code, input metadata, size assumptions),
-and share the result.
+"""Compile capturable pieces once per distinct (code, input metadata), under the size
+assumptions of their graph, and share the result.
 
 The layers of a transformer split into pieces with the same code and the same input
 shapes and dtypes; only the parameters they are handed differ. Such pieces get one
@@ -7,21 +7,24 @@ compiled function, so compile time does not grow with depth. With `compile_sizes
 such function also gets one specialised compile per listed size (see `size_specialise`),
 shared the same way.
 
-Two things make sharing sound across the Dynamo graphs of one Backend, each with its own
-ShapeEnv:
+Three things make sharing sound across the Dynamo graphs of one Backend, each with its
+own ShapeEnv:
 
-- The key holds what the ShapeEnv assumes about the symbols in the piece's input sizes
-  (value ranges, guards such as `s0 >= 8` or `Eq(Mod(s0, 2), 0)`): a name like `s0` alone
-  says nothing about them, and Inductor's code may depend on them.
-- A compile may add guards (specialise a size). Its result is stored under the key of the
-  ShapeEnv after the compile, so a graph that lacks those guards misses and compiles
-  itself, and gets the guards. Inductor's own caches re-add a cached compile's guards
-  only through the graph's SymInt inputs, and a piece takes a symbol that a tensor
-  dimension carries as no SymInt: `compile_keeping_guards` adds those inputs.
+- A compile is shared only with a graph whose ShapeEnv assumes at least as much about the
+  symbols in the piece's input sizes (value ranges; guards such as `s0 >= 8` or
+  `Eq(Mod(s0, 2), 0)`): a name like `s0` alone says nothing about them, and Inductor's
+  code may depend on them.
+- A compile may add guards (specialise a size). It is recorded as made under what the
+  ShapeEnv assumes after it, so a graph that lacks those guards compiles itself and gets
+  them.
+- Inductor's own caches re-add a cached compile's guards only through the graph's SymInt
+  inputs, and a piece takes a symbol that a tensor dimension carries as no SymInt:
+  `compile_keeping_guards` adds those inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -29,7 +32,8 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 
-from .compat import free_symbols, free_unbacked_symbols, inductor_compile, shape_env_of, size_facts
+from .compat import (free_symbols, free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
+                     value_range_within)
 from .passes import PieceSpec, example_value
 from .size_specialise import SizeProbe, SizeSpecialised, find_size_probe, trace_at_size
 
@@ -51,17 +55,31 @@ def _size_symbols(values: Sequence) -> set[sympy.Symbol]:
     return set().union(*(free_symbols(v) for v in values if isinstance(v, (torch.Tensor, torch.SymInt))))
 
 
-def _size_assumptions(values: Sequence) -> tuple:
-    """What the ShapeEnv assumes about the symbols in `values`' sizes, in a canonical form:
-    each symbol's value range, and the sorted guards and runtime asserts over these symbols
-    only. Symbol names stay as they are: the code and input descriptions in the cache key
-    name them too, and identical layers of one graph share them."""
+@dataclasses.dataclass(frozen=True)
+class SizeAssumptions:
+    """What a ShapeEnv assumes about the size symbols of a piece's inputs: each one's value
+    range, and the guards and runtime asserts over these symbols only. Symbol names are
+    kept: the code and input descriptions in the cache key name them too, and identical
+    layers of one graph share them."""
+
+    ranges: tuple[tuple[str, Any], ...]  # (symbol, ValueRanges), sorted by symbol
+    facts: frozenset[str]
+
+    def imply(self, other: SizeAssumptions) -> bool:
+        """True when every size these allow, `other` allows too: code compiled under
+        `other` is valid here."""
+        if [name for name, _ in self.ranges] != [name for name, _ in other.ranges]:
+            return False
+        return self.facts >= other.facts and all(
+            value_range_within(mine, theirs) for (_, mine), (_, theirs) in zip(self.ranges, other.ranges))
+
+
+def _size_assumptions(values: Sequence) -> SizeAssumptions:
     symbols = _size_symbols(values)
     if not symbols:
-        return ()
+        return SizeAssumptions((), frozenset())
     ranges, facts = size_facts(shape_env_of(values), symbols)
-    return (tuple((str(s), str(r)) for s, r in sorted(ranges.items(), key=lambda item: str(item[0]))),
-            tuple(sorted(set(map(str, facts)))))
+    return SizeAssumptions(tuple(sorted((str(s), r) for s, r in ranges.items())), frozenset(map(str, facts)))
 
 
 def _cache_key(spec: PieceSpec) -> tuple:
@@ -70,9 +88,8 @@ def _cache_key(spec: PieceSpec) -> tuple:
             return (describe_input(value), tuple(map(str, value.stride())), str(value.device))
         return describe_input(value)
 
-    values = [example_value(n) for n in spec.inputs]
     attrs = tuple(id(getattr(spec.graph, n.target)) for n in spec.graph.graph.nodes if n.op == "get_attr")
-    return (spec.graph.code, tuple(meta(v) for v in values), attrs, _size_assumptions(values))
+    return (spec.graph.code, tuple(meta(example_value(n)) for n in spec.inputs), attrs)
 
 
 def _unpassed_size_probes(values: Sequence) -> list[SizeProbe]:
@@ -151,7 +168,7 @@ class PieceCompiler:
         self.compilations = 0
         self.specialised_compilations = 0
         self.specialise_s = 0.0
-        self._cache: dict[tuple, Callable] = {}
+        self._cache: dict[tuple, list[tuple[SizeAssumptions, Callable]]] = {}
         self._specialised: dict[tuple, Callable] = {}  # (piece key, size) -> compiled code
 
     def compile(self, spec: PieceSpec, capture_symbol: sympy.Symbol | None = None) -> Callable[..., Sequence]:
@@ -162,21 +179,24 @@ class PieceCompiler:
         if isinstance(probe, str):
             log.info("cgcompile: %s keeps its general compile at every size: %s", spec.name, probe)
             return general
-        key = _cache_key(spec)  # after the general compile, with the guards it added
+        key = _cache_key(spec)  # a compile at one size holds for any size assumptions
         return SizeSpecialised(general, probe, self.compile_sizes,
                                lambda size, args: self._at_size(key, spec.graph, size, args))
 
     def _general(self, spec: PieceSpec) -> Callable:
         if self.compiler == "eager":
             return spec.graph
-        fn = self._cache.get(_cache_key(spec))
+        values = [example_value(n) for n in spec.inputs]
+        assumed = _size_assumptions(values)
+        entries = self._cache.get(_cache_key(spec), [])
+        fn = next((fn for made_under, fn in entries if assumed.imply(made_under)), None)
         if fn is None:
-            example_inputs = [example_value(n) for n in spec.inputs]
-            fn = compile_keeping_guards(spec.graph, example_inputs, self.inductor_options)
+            fn = compile_keeping_guards(spec.graph, values, self.inductor_options)
             self.compilations += 1
-            # Under the key after the compile: it holds the guards the compile added, which
-            # a graph must have to run this code.
-            self._cache[_cache_key(spec)] = fn
+            # Recorded as the ShapeEnv is after the compile: with the guards it added (a
+            # specialised size shows in the input descriptions), which a graph must have
+            # to run this code.
+            self._cache.setdefault(_cache_key(spec), []).append((_size_assumptions(values), fn))
         return fn
 
     def _at_size(self, key: tuple, gm: torch.fx.GraphModule, size: int, args: Sequence) -> Callable:

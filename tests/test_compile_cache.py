@@ -1,6 +1,6 @@
 """The shared compile cache (`PieceCompiler`): pieces with the same code and input
-descriptions share a compile only when their graphs assume the same about the sizes, and
-a compile served from a cache brings back the guards it added."""
+descriptions share a compile only with a graph that assumes at least as much about the
+sizes, and a compile served from a cache brings back the guards it added."""
 
 import torch
 from torch._dynamo.utils import counters
@@ -37,10 +37,17 @@ def test_a_graph_that_assumes_other_sizes_gets_its_own_compile():
     assert backend.stats.graphs_seen == 2 and backend.stats.compilations == 2
 
 
-def test_graphs_that_assume_the_same_sizes_share_a_compile():
-    def double(x):  # x: [n, 8]
-        return x * 2.0
+def double(x):  # x: [n, 8]
+    return x * 2.0
 
+
+def double_either_way(x):  # x: [n, 8]; the same piece as `double`, with n >= 8 or n < 8 guarded
+    if x.shape[0] >= 8:
+        return x * 2.0
+    return x * 2.0
+
+
+def test_graphs_that_assume_the_same_sizes_share_a_compile():
     backend = _backend()
     for _ in range(2):  # two compiled functions: two Dynamo graphs, two ShapeEnvs
         compiled = torch.compile(double, backend=backend)
@@ -48,6 +55,17 @@ def test_graphs_that_assume_the_same_sizes_share_a_compile():
         torch.testing.assert_close(compiled(x), double(x))
         torch._dynamo.reset()
     assert backend.stats.graphs_seen == 2 and backend.stats.compilations == 1
+
+
+def test_a_compile_serves_graphs_that_assume_more_about_the_sizes_not_less():
+    backend = _backend()
+    general, branching = torch.compile(double, backend=backend), torch.compile(double_either_way, backend=backend)
+    # n >= 8, then no assumption (a compile of its own), then 2 <= n < 8 (shares the last).
+    for fn, n in ((branching, 10), (general, 5), (branching, 3)):
+        x = _rows(n)
+        torch.testing.assert_close(fn(x), double(x))
+    assert len({p.graph.code for p in backend.pieces}) == 1
+    assert backend.stats.graphs_seen == 3 and backend.stats.compilations == 2
 
 
 EDGE = torch.randn(1, 8)
