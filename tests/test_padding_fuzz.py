@@ -10,10 +10,12 @@ from typing import Callable
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 import cgcompile
 from cgcompile import fuzz
+from cgcompile.compat import fresh_inductor_cache
 from cgcompile.fuzz_grammar import LAYOUTS, MODES, N, Program
 
 
@@ -334,28 +336,31 @@ def test_fixed_bug_stays_fixed(make):
     _compiled_matches_eager_at_a_padded_size(make)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open: a piece that Inductor's FX graph cache serves comes without the guards its "
-    "compile added: a capture size specialized to 2 (one row left of x[1:]) raises "
-    "ConstraintViolationError when the piece is compiled, as torch.compile does, but on a "
-    "cache hit the piece runs at n=3 and fails Inductor's size assertion"))
 def test_a_cached_inductor_piece_keeps_its_guards():
+    """The compile at n=2 specialises the capture size (one row left of x[1:]). Marked
+    dynamic, that raises ConstraintViolationError, as torch.compile does; the same piece
+    served from Inductor's caches must add the same guard and raise too, not run at n=3
+    and fail Inductor's size assertion."""
     edge = torch.randn(1, 8)
 
     def shift(x):  # x: [n, 8]
         return torch.cat([x[1:], edge], dim=0) * 2.0
 
-    for _ in ("compiled, or from the cache", "from the cache"):
-        torch._dynamo.reset()
-        config = cgcompile.Config(compiler="inductor", capture_sizes=(1, 2, 4, 8))
-        compiled = torch.compile(shift, backend=cgcompile.Backend(config), fullgraph=True)
-        try:
+    with fresh_inductor_cache():
+        for _source in ("compiled", "from the cache"):
+            torch._dynamo.reset()
+            counters.clear()
+            config = cgcompile.Config(compiler="inductor", capture_sizes=(1, 2, 4, 8))
+            compiled = torch.compile(shift, backend=cgcompile.Backend(config), fullgraph=True)
             for n in (2, 3):
                 x = torch.randn(n, 8)
                 torch._dynamo.mark_dynamic(x, 0)
-                torch.testing.assert_close(compiled(x), shift(x))
-        except ConstraintViolationError:  # what torch.compile alone raises at n=2
-            pass
+                if n == 2:
+                    with pytest.raises(ConstraintViolationError):
+                        compiled(x)
+                else:
+                    torch.testing.assert_close(compiled(x), shift(x))
+    assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] >= 2
 
 
 @pytest.mark.cuda
