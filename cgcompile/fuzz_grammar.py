@@ -686,7 +686,9 @@ def index_rows(g):
     """Rows picked by indices computed over rows (argmax over dim 0, a sort over dim 0)."""
     i = g.pick(lambda i: i.bound == N and len(i.shape) in (1, 2), index=True)
     v = g.pick(_rows(2))
-    if len(i.shape) == 2 and i.shape[1] <= v.shape[1] and g.rng.random() < 0.5:
+    # gather's result has the index's shape: rows only where the index has them (an argmax
+    # over the rows of [n, a, b] is [a, b], which indexes like `v[i]` instead).
+    if len(i.shape) == 2 and i.shape[0] == N and i.shape[1] <= v.shape[1] and g.rng.random() < 0.5:
         g.define(f"torch.gather({v}, 0, {i}[:, :{i.shape[1]}])", (N, i.shape[1]))
     else:
         g.define(f"{v}[{i}]", i.shape + v.shape[1:])
