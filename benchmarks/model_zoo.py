@@ -4,36 +4,51 @@ Every model is built from a tiny config with random, seeded weights (hidden 64, 
 4 heads, vocab 256, intermediate 128, MoE with 4 experts top-2), compiled the way a user
 would (`model.forward = torch.compile(model.forward, backend=cgcompile.Backend(config))`,
 with the README's `dynamic_sources` line for the KV cache) and run against the same model
-uncompiled:
+uncompiled. Each architecture is compiled once and runs a sequence of sizes on that one
+compiled model, as a server would: language models batch 1, 3, 4, then 1 again; the
+others 1, 3, 8, then 1 items. Every call has its own inputs (seeded by its place in the
+sequence: the second batch 1 is another prompt), and is one row:
 
-    decoder, moe   greedy generate(), default DynamicCache, 32 new tokens, batch 1 and 3
-                   (batch 3 left-padded: row i has i pad tokens); tokens must equal eager's
+    decoder, moe   greedy generate(), default DynamicCache, 32 new tokens; prompts are
+                   left-padded (row i has i pad tokens, so the mask has zeros from batch 2);
+                   sliding-window, chunked, sink and linear attention among them
+    ssm            the same for state-space decoders (Mamba, Mamba2) and hybrids of
+                   state-space or recurrent layers with attention (Jamba, Zamba, Bamba, ...)
     seq2seq        the same through generate(); the encoder's forward is compiled too
-    encoder        one forward at 1, 3 and 8 items (token ids, right-padded mask)
-    vision         one forward at 1, 3 and 8 images
+    encoder        one forward on token ids, right-padded mask
+    vision         one forward on images [N, 3, 32, 32] (transformers and convolutional)
+    audio          one forward on raw waveforms [N, 1600] (Wav2Vec2, HuBERT) or mel features
 
-With capture sizes (1, 2, 4, 8, 16), 3 is a non-capture size (on CUDA it runs padded to 4).
+With capture sizes (1, 2, 4, 8, 16), 3 is a non-capture size (on CUDA it runs padded to 4)
+and 4 and 8 are capture sizes. --sequence 1,3,4,1 sets the sizes of every model;
+--fresh-per-size runs each size on a fresh Dynamo and Backend instead (the zoo's rows before
+the sequence: each size compiled from nothing).
 
     max err   max |compiled - eager| / max |eager| over every output tensor (language
               models: over the logits of every generate() step up to the first token
               that differs). Fails above 1e-4 in float32, 5e-2 in bfloat16.
     tokens    new tokens equal to eager's; in float32 all must be (in bfloat16 near ties
               may part ways: reported, not judged).
-    graphs, pieces, capt, cuda   backend.stats after that row (cumulative per model):
-              Dynamo graphs seen, pieces, capturable pieces, CUDA graphs captured.
-    --speed   at batch 1: ms per decode step ((t(32 new tokens) - t(1)) / 31, as in
+    call      the row's place in its model's sequence.
+    graphs, pieces, capt, cuda   backend.stats after that row (cumulative over the sequence;
+              per row with --fresh-per-size): Dynamo graphs seen, pieces, capturable pieces,
+              CUDA graphs captured; pad: graphs whose calls pad to the capture sizes (the
+              others run at exact sizes: no capture dimension, unsafe to pad, or padding off).
+    --speed   at the first batch 1: ms per decode step ((t(32 new tokens) - t(1)) / 31, as in
               benchmarks/hf_bench.py) or per forward (mean of 10), eager and cgcompile
               timed round-robin, median over --rounds rounds, after the correctness run's warm-up.
 
 A model that fails is a row with its error (class and first line); the run goes on and exits
 non-zero at the end. Architectures missing from the installed transformers are skipped.
 --json writes the rows (and the wall time of each) after every row. The piece compiler is
-Inductor on CUDA and "eager" (pieces run as FX code, the same split) on CPU unless --compiler says.
+Inductor on CUDA and "eager" (pieces run as FX code, the same split) on CPU unless --compiler says;
+--padding compiles with Config(padding=True), which pads non-capture sizes on CPU too.
 
     python benchmarks/model_zoo.py --list
-    python benchmarks/model_zoo.py --device cpu --models llama,bert      # names, or kinds: --models moe,vision
+    python benchmarks/model_zoo.py --device cpu --models llama,bert      # names, or kinds: --models ssm,audio
     python benchmarks/model_zoo.py --device cuda --json zoo_fp32.json                       # correctness
     python benchmarks/model_zoo.py --device cuda --dtype bfloat16 --speed --json zoo_bf16.json
+    python benchmarks/model_zoo.py --device cuda --models mamba,gpt_oss --sequence 1,3,8,1 --fresh-per-size
 """
 
 from __future__ import annotations
@@ -63,6 +78,7 @@ KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's recommended dynamic_so
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
 PROMPT_LEN = 8  # language-model prompts
 TEXT_LEN = 16  # text-encoder and seq2seq encoder inputs
+PADDED = "padded to the capture sizes"  # cgcompile.Piece.sizes of a graph whose calls pad
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}  # max err, relative to the largest eager value
 
 # -- the architectures ------------------------------------------------------------------
@@ -78,20 +94,29 @@ _SEQ2SEQ = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2
                 decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, pad_token_id=0,
                 bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
 
-KINDS = ("decoder", "moe", "encoder", "vision", "seq2seq")
-_AUTO = {"decoder": "AutoModelForCausalLM", "moe": "AutoModelForCausalLM", "seq2seq": "AutoModelForSeq2SeqLM"}
-_INPUTS = {"decoder": "prompt", "moe": "prompt", "seq2seq": "text", "encoder": "text", "vision": "pixels"}
+_MAMBA = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=16, expand=2, conv_kernel=4,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_HYBRID = _LLAMA | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # attention and state-space layers
+_AUDIO = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, conv_dim=(32, 32),
+              conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+              vocab_size=32)
+
+KINDS = ("decoder", "moe", "ssm", "encoder", "vision", "audio", "seq2seq")
+_CAUSAL = "AutoModelForCausalLM"
+_AUTO = {"decoder": _CAUSAL, "moe": _CAUSAL, "ssm": _CAUSAL, "seq2seq": "AutoModelForSeq2SeqLM"}
+_INPUTS = {"decoder": "prompt", "moe": "prompt", "ssm": "prompt", "seq2seq": "text", "encoder": "text",
+           "vision": "pixels", "audio": "waveform"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
     """One zoo entry: a transformers config class, its tiny fields, and how to run it.
 
-    kind: "decoder" or "moe" (generate()), "seq2seq" (generate() with an encoder),
-        "encoder" or "vision" (one forward).
-    auto: the transformers Auto class that builds the model from the config (default by kind).
+    kind: "decoder", "moe" or "ssm" (state-space and hybrid decoders) through generate(),
+        "seq2seq" (generate() with an encoder), "encoder", "vision" or "audio" (one forward).
+    auto: the transformers class that builds the model from the config (default by kind).
     inputs: a key of INPUTS (default by kind): "prompt" (left-padded token ids), "text"
-        (right-padded token ids), "pixels" or "audio" (Whisper's mel features).
+        (right-padded token ids), "pixels", "waveform" (raw audio) or "mel" (Whisper's features).
     """
 
     name: str
@@ -112,7 +137,7 @@ class Arch:
     @property
     def is_lm(self) -> bool:
         """Runs through generate() (else one forward)."""
-        return self.kind in ("decoder", "moe", "seq2seq")
+        return self.kind in ("decoder", "moe", "ssm", "seq2seq")
 
 
 ARCHS = [
@@ -146,6 +171,10 @@ ARCHS = [
     Arch("falcon", "decoder", "FalconConfig", dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                                                     num_attention_heads=4, bos_token_id=1, eos_token_id=2)),
     Arch("bloom", "decoder", "BloomConfig", dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)),
+    # Sliding and global layers mixed (Cohere2); a short convolution beside attention (LFM2).
+    Arch("cohere2", "decoder", "Cohere2Config", _HYBRID | dict(
+        sliding_window=16, layer_types=["sliding_attention", "full_attention"])),
+    Arch("lfm2", "decoder", "Lfm2Config", _HYBRID | dict(layer_types=["conv", "full_attention"])),
     # Mixture-of-experts decoders: 4 experts, top 2.
     Arch("mixtral", "moe", "MixtralConfig", _LLAMA | dict(num_local_experts=4, num_experts_per_tok=2)),
     Arch("qwen2_moe", "moe", "Qwen2MoeConfig", _LLAMA | _MOE | dict(
@@ -158,6 +187,46 @@ ARCHS = [
         num_key_value_heads=4, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
         kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # Llama 4's chunked attention (chunks of 8) beside a global layer without RoPE; GPT-OSS's
+    # attention sinks with sliding and full layers; Qwen3-Next's linear attention (gated delta
+    # rule) beside full attention.
+    Arch("llama4", "moe", "Llama4TextConfig", _HYBRID | dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+        interleave_moe_layer_step=1, attention_chunk_size=8, no_rope_layers=[1, 0],
+        layer_types=["chunked_attention", "full_attention"])),
+    Arch("gpt_oss", "moe", "GptOssConfig", _HYBRID | dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"])),
+    Arch("qwen3_next", "moe", "Qwen3NextConfig", _HYBRID | _MOE | dict(
+        head_dim=16, moe_intermediate_size=64, shared_expert_intermediate_size=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"])),
+    # State-space decoders, and hybrids of state-space and attention layers (the mamba
+    # kernels are off: CPU, and no custom kernels under Dynamo).
+    Arch("mamba", "ssm", "MambaConfig", _MAMBA),
+    Arch("mamba2", "ssm", "Mamba2Config", _MAMBA | dict(num_heads=8, head_dim=16, n_groups=1, chunk_size=16)),
+    Arch("falcon_mamba", "ssm", "FalconMambaConfig", _MAMBA),
+    Arch("jamba", "ssm", "JambaConfig", _HYBRID | dict(
+        num_experts=4, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+        attn_layer_offset=1, use_mamba_kernels=False, mamba_d_state=16, mamba_dt_rank=8)),
+    Arch("zamba", "ssm", "ZambaConfig", _HYBRID | dict(
+        num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"],  # 2 hybrids share their weights
+        attention_hidden_size=128, attention_head_dim=32, n_mamba_heads=2, use_mamba_kernels=False,
+        mamba_d_state=16, mamba_dt_rank=8)),
+    Arch("zamba2", "ssm", "Zamba2Config", _HYBRID | dict(
+        layers_block_type=["mamba", "hybrid"], n_mamba_heads=8, mamba_d_state=16, mamba_ngroups=1, chunk_size=16,
+        use_mamba_kernels=False, num_mem_blocks=1)),
+    Arch("bamba", "ssm", "BambaConfig", _HYBRID | dict(
+        attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+        mamba_chunk_size=16)),
+    Arch("falcon_h1", "ssm", "FalconH1Config", _HYBRID | dict(
+        head_dim=16, mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+        mamba_chunk_size=16)),
+    Arch("recurrent_gemma", "ssm", "RecurrentGemmaConfig", _HYBRID | dict(
+        lru_width=64, attention_window_size=16, block_types=["recurrent", "attention"], num_key_value_heads=1)),
+    Arch("granitemoehybrid", "ssm", "GraniteMoeHybridConfig", _HYBRID | dict(
+        num_local_experts=4, num_experts_per_tok=2, layer_types=["mamba", "attention"], mamba_n_heads=8,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
     # Text encoders: forward on token ids with a right-padded attention mask.
     Arch("bert", "encoder", "BertConfig", _BERT),
     Arch("roberta", "encoder", "RobertaConfig", _BERT | dict(pad_token_id=1)),
@@ -176,13 +245,32 @@ ARCHS = [
     Arch("clip_vision", "vision", "CLIPVisionConfig", _VISION | dict(intermediate_size=128)),
     Arch("siglip_vision", "vision", "SiglipVisionConfig", _VISION | dict(intermediate_size=128)),
     Arch("dinov2", "vision", "Dinov2Config", _VISION | dict(mlp_ratio=2)),
+    # Convolutional vision encoders (no attention: one piece).
+    Arch("resnet", "vision", "ResNetConfig", dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                                  layer_type="basic", image_size=32)),
+    Arch("convnext", "vision", "ConvNextConfig", dict(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2,
+                                                      image_size=32)),
+    # Audio encoders: a convolutional feature extractor on raw waveforms, then attention;
+    # Whisper's encoder alone on mel features.
+    Arch("wav2vec2", "audio", "Wav2Vec2Config", _AUDIO),
+    Arch("hubert", "audio", "HubertConfig", _AUDIO),
+    Arch("whisper_encoder", "audio", "WhisperConfig", dict(
+        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=16, vocab_size=VOCAB),
+        auto="AutoModelForAudioClassification", inputs="mel"),
     # Encoder-decoders through generate().
     Arch("t5", "seq2seq", "T5Config", dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                             num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)),
     Arch("bart", "seq2seq", "BartConfig", _SEQ2SEQ | dict(max_position_embeddings=64, forced_eos_token_id=None)),
     Arch("whisper", "seq2seq", "WhisperConfig", _SEQ2SEQ | dict(
         num_mel_bins=16, max_source_positions=16, max_target_positions=64, suppress_tokens=[],
-        begin_suppress_tokens=[]), auto="AutoModelForSpeechSeq2Seq", inputs="audio"),
+        begin_suppress_tokens=[]), auto="AutoModelForSpeechSeq2Seq", inputs="mel"),
+    Arch("mbart", "seq2seq", "MBartConfig", _SEQ2SEQ | dict(max_position_embeddings=64, forced_eos_token_id=None)),
+    Arch("pegasus", "seq2seq", "PegasusConfig", _SEQ2SEQ | dict(max_position_embeddings=64, forced_eos_token_id=None)),
+    Arch("marian", "seq2seq", "MarianConfig", _SEQ2SEQ | dict(max_position_embeddings=64, decoder_vocab_size=VOCAB,
+                                                              forced_eos_token_id=None)),
+    Arch("mt5", "seq2seq", "MT5Config", dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                              num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)),
 ]
 BY_NAME = {arch.name: arch for arch in ARCHS}
 
@@ -196,11 +284,15 @@ class Options:
     dtype: torch.dtype = torch.float32
     compiler: str = "eager"  # cgcompile.Config.compiler
     new_tokens: int = 32
-    lm_batches: tuple[int, ...] = (1, 3)
-    encoder_sizes: tuple[int, ...] = (1, 3, 8)
+    # The sizes one compiled model runs, call after call: batch 1, a non-capture batch, a
+    # capture batch, batch 1 again (every call with another prompt or other items).
+    lm_sequence: tuple[int, ...] = (1, 3, 4, 1)
+    encoder_sequence: tuple[int, ...] = (1, 3, 8, 1)
+    fresh_per_size: bool = False  # a fresh Dynamo and Backend for every call instead
     speed: bool = False
     rounds: int = 5
     fuse_sibling_linears: bool = False  # cgcompile.Config.fuse_sibling_linears
+    padding: bool | None = None  # cgcompile.Config.padding (True: pads on CPU too)
 
     @property
     def tolerance(self) -> float:
@@ -213,17 +305,20 @@ class Options:
 
 @dataclasses.dataclass
 class Row:
-    """One model at one batch size (language models) or item count (encoders)."""
+    """One call of one model: a generate() at one batch size (language models), or a forward
+    on one item count (encoders); `call` is its position in the model's size sequence."""
 
     model: str
     kind: str
     size: int
+    call: int = 0
     status: str = "ok"  # ok, FAIL or skip
-    graphs: int | None = None  # backend.stats after this row, cumulative per model
+    graphs: int | None = None  # backend.stats after this row, cumulative per model (per row with fresh_per_size)
     pieces: int | None = None
     capturable: int | None = None
     graphs_captured: int | None = None
     compilations: int | None = None
+    padded_graphs: int | None = None  # Dynamo graphs whose calls pad to the capture sizes
     max_err: float | None = None
     tokens_equal: int | None = None
     tokens_total: int | None = None
@@ -256,8 +351,8 @@ def build(arch: Arch, options: Options) -> torch.nn.Module:
 
 
 def padding_mask(size: int, length: int, left: bool) -> torch.Tensor:
-    """[size, length]: row i has i pad positions (0), on the left or on the right."""
-    positions, pads = torch.arange(length), torch.arange(size)[:, None]
+    """[size, length]: row i has i % length pad positions (0), on the left or on the right."""
+    positions, pads = torch.arange(length), torch.arange(size)[:, None] % length
     return (positions >= pads if left else positions < length - pads).long()
 
 
@@ -274,15 +369,18 @@ INPUTS = {
     "text": lambda config, size, g: token_inputs(config, size, TEXT_LEN, False, g),
     "pixels": lambda config, size, g: {"pixel_values": torch.randn(
         (size, config.num_channels, config.image_size, config.image_size), generator=g)},
+    # Raw audio, 1600 samples (10 feature frames after the convolutions).
+    "waveform": lambda config, size, g: {"input_values": torch.randn((size, 1600), generator=g)},
     # Whisper's encoder takes exactly 2 * max_source_positions frames.
-    "audio": lambda config, size, g: {"input_features": torch.randn(
+    "mel": lambda config, size, g: {"input_features": torch.randn(
         (size, config.num_mel_bins, 2 * config.max_source_positions), generator=g)},
 }
 
 
-def make_inputs(arch: Arch, config, size: int, options: Options) -> dict[str, torch.Tensor]:
-    """Seeded inputs for `size` items on the device; floating-point ones in the dtype."""
-    inputs = INPUTS[arch.input_kind](config, size, torch.Generator().manual_seed(size))
+def make_inputs(arch: Arch, config, row: Row, options: Options) -> dict[str, torch.Tensor]:
+    """`row.size` items on the device, floating-point ones in the dtype; seeded by the call's
+    position, so that two calls at one size get different prompts."""
+    inputs = INPUTS[arch.input_kind](config, row.size, torch.Generator().manual_seed(row.call))
     return {k: v.to(options.device, dtype=options.dtype if v.is_floating_point() else None) for k, v in inputs.items()}
 
 
@@ -374,10 +472,10 @@ def one_measure(arch: Arch, model, inputs: dict, options: Options) -> float:
         return seconds(lambda: [model(**inputs) for _ in range(reps)], options.device) / reps
 
 
-def time_eager_and_compiled(arch: Arch, model, inputs: dict, targets, forwards, options: Options):
+def time_eager_and_compiled(arch: Arch, model, inputs: dict, session: Compiled, options: Options):
     """Median ms of eager and of cgcompile, timed in interleaved rounds (the host's speed drifts)."""
     def with_graphs():
-        with compiled(targets, forwards):
+        with compiled(session.targets, session.forwards):
             return one_measure(arch, model, inputs, options)
 
     windows = {("eager", 1): lambda: one_measure(arch, model, inputs, options), ("cgcompile", 1): with_graphs}
@@ -390,13 +488,31 @@ def time_eager_and_compiled(arch: Arch, model, inputs: dict, targets, forwards, 
 # -- one model ----------------------------------------------------------------------------
 
 
-def sizes(arch: Arch, options: Options) -> tuple[int, ...]:
-    return options.lm_batches if arch.is_lm else options.encoder_sizes
+def sequence(arch: Arch, options: Options) -> tuple[int, ...]:
+    return options.lm_sequence if arch.is_lm else options.encoder_sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One Backend and the compiled forwards of the modules it serves."""
+
+    backend: cgcompile.Backend
+    targets: list[torch.nn.Module]
+    forwards: list[Callable]
+
+
+def compile_model(arch: Arch, model: torch.nn.Module, options: Options) -> Compiled:
+    backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES,
+                                                 fuse_sibling_linears=options.fuse_sibling_linears,
+                                                 padding=options.padding))
+    targets = compile_targets(arch, model)
+    return Compiled(backend, targets, [torch.compile(m.forward, backend=backend) for m in targets])
 
 
 def run_model(arch: Arch, options: Options) -> list[Row]:
-    """Every size of one architecture: a fresh Dynamo, its own Backend; errors become rows."""
-    rows = [Row(arch.name, arch.kind, size) for size in sizes(arch, options)]
+    """One architecture's size sequence, every call on one compiled model (or, with
+    fresh_per_size, each on a fresh Dynamo and Backend); errors become rows."""
+    rows = [Row(arch.name, arch.kind, size, call) for call, size in enumerate(sequence(arch, options))]
     if not hasattr(transformers, arch.config):
         for row in rows:
             row.status, row.note = "skip", f"no {arch.config} in transformers {transformers.__version__}"
@@ -409,41 +525,48 @@ def run_model(arch: Arch, options: Options) -> list[Row]:
             row.error = f"build: {describe(e)}"
             judge(row, options)
         return rows
-    backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES,
-                                                 fuse_sibling_linears=options.fuse_sibling_linears))
-    targets = compile_targets(arch, model)
-    forwards = [torch.compile(m.forward, backend=backend) for m in targets]
+    session = None
     for row in rows:
-        start = time.perf_counter()
-        try:
-            inputs = make_inputs(arch, model.config, row.size, options)
-            check(arch, model, inputs, row, targets, forwards, options)
-            if options.speed and row.size == 1:
-                time_row(arch, model, inputs, row, backend, targets, forwards, options)
-        except Exception as e:
-            traceback.print_exc()
-            row.error = describe(e)
-        row.wall_s = time.perf_counter() - start
-        record_stats(row, backend.stats)
-        judge(row, options)
+        if session is None or options.fresh_per_size:
+            session = None  # its graphs and pool go with the compiled frames
+            release()
+            session = compile_model(arch, model, options)
+        run_row(arch, model, row, session, options)
     release()
     return rows
 
 
-def check(arch: Arch, model, inputs: dict, row: Row, targets, forwards, options: Options) -> None:
+def run_row(arch: Arch, model, row: Row, session: Compiled, options: Options) -> None:
+    """One call: eager and compiled compared (and timed at the first batch 1 with --speed)."""
+    start = time.perf_counter()
+    try:
+        inputs = make_inputs(arch, model.config, row, options)
+        check(arch, model, inputs, row, session, options)
+        if options.speed and row.size == 1 and row.call == sequence(arch, options).index(1):
+            time_row(arch, model, inputs, row, session, options)
+    except Exception as e:
+        traceback.print_exc()
+        row.error = describe(e)
+    row.wall_s = time.perf_counter() - start
+    record_stats(row, session.backend)
+    judge(row, options)
+
+
+def check(arch: Arch, model, inputs: dict, row: Row, session: Compiled, options: Options) -> None:
     """Eager, then compiled, on the same inputs; their difference goes into the row."""
     expected = run(arch, model, inputs, options.new_tokens)
-    with compiled(targets, forwards):
+    with compiled(session.targets, session.forwards):
         got = run(arch, model, inputs, options.new_tokens)
     result = compare(arch, got, expected)
     row.max_err, row.tokens_equal, row.tokens_total = result.max_err, result.tokens_equal, result.tokens_total
 
 
-def time_row(arch: Arch, model, inputs: dict, row: Row, backend, targets, forwards, options: Options) -> None:
-    graphs_before = backend.stats.graphs_seen
-    row.eager_ms, row.cgcompile_ms = time_eager_and_compiled(arch, model, inputs, targets, forwards, options)
-    if backend.stats.graphs_seen != graphs_before:  # the timing would include compiling
-        row.note = f"Dynamo compiled {backend.stats.graphs_seen - graphs_before} graph(s) while timing"
+def time_row(arch: Arch, model, inputs: dict, row: Row, session: Compiled, options: Options) -> None:
+    graphs_before = session.backend.stats.graphs_seen
+    row.eager_ms, row.cgcompile_ms = time_eager_and_compiled(arch, model, inputs, session, options)
+    graphs = session.backend.stats.graphs_seen - graphs_before
+    if graphs:  # the timing would include compiling
+        row.note = f"Dynamo compiled {graphs} graph(s) while timing"
 
 
 def release() -> None:
@@ -454,9 +577,11 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def record_stats(row: Row, stats: cgcompile.BackendStats) -> None:
+def record_stats(row: Row, backend: cgcompile.Backend) -> None:
+    stats = backend.stats
     row.graphs, row.pieces, row.capturable = stats.graphs_seen, stats.pieces, stats.capturable_pieces
     row.graphs_captured, row.compilations = stats.graphs_captured, stats.compilations
+    row.padded_graphs = len({p.graph_index for p in backend.pieces if p.sizes == PADDED})
 
 
 def judge(row: Row, options: Options) -> None:
@@ -472,8 +597,8 @@ def judge(row: Row, options: Options) -> None:
 
 
 def dynamo_settings():
-    """Room for every graph of a model (prefill and decode at two batch sizes, an encoder's
-    sizes), and the cache length symbolic from the first decode step."""
+    """Room for every graph of a model (prefill and decode at each size of its sequence, an
+    encoder's sizes), and the cache length symbolic from the first decode step."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch._dynamo.config.patch(recompile_limit=64))
     stack.enter_context(torch.compiler.config.patch(dynamic_sources=KV_CACHE_SOURCES))
@@ -507,8 +632,8 @@ def run_zoo(names: list[str], options: Options, on_row: Callable[[Row], None] = 
 # -- report -------------------------------------------------------------------------------
 
 TABLE_WIDTH = 140
-HEADER = (f"{'model':<13} {'kind':<7} {'size':>4} {'status':<6} {'graphs':>6} {'pieces':>6} {'capt':>4} {'cuda':>4} "
-          f"{'max err':>8} {'tokens':>7} {'eager ms':>8} {'cg ms':>7} {'x':>5}  note")
+HEADER = (f"{'model':<16} {'kind':<7} {'call':>4} {'size':>4} {'status':<6} {'graphs':>6} {'pieces':>6} {'capt':>4} "
+          f"{'cuda':>4} {'pad':>3} {'max err':>8} {'tokens':>7} {'eager ms':>8} {'cg ms':>7} {'x':>5}  note")
 
 
 def fmt(value, spec: str) -> str:
@@ -520,10 +645,10 @@ def fmt(value, spec: str) -> str:
 def format_row(row: Row) -> str:
     tokens = None if row.tokens_total is None else f"{row.tokens_equal}/{row.tokens_total}"
     speedup = row.eager_ms / row.cgcompile_ms if row.eager_ms and row.cgcompile_ms else None
-    line = (f"{row.model:<13} {row.kind:<7} {row.size:>4} {row.status:<6} {fmt(row.graphs, '6d')} "
+    line = (f"{row.model:<16} {row.kind:<7} {row.call:>4} {row.size:>4} {row.status:<6} {fmt(row.graphs, '6d')} "
             f"{fmt(row.pieces, '6d')} {fmt(row.capturable, '4d')} {fmt(row.graphs_captured, '4d')} "
-            f"{fmt(row.max_err, '8.1e')} {fmt(tokens, '>7')} {fmt(row.eager_ms, '8.2f')} "
-            f"{fmt(row.cgcompile_ms, '7.2f')} {fmt(speedup, '5.2f')}  {row.note or ''}")
+            f"{fmt(row.padded_graphs, '3d')} {fmt(row.max_err, '8.1e')} {fmt(tokens, '>7')} "
+            f"{fmt(row.eager_ms, '8.2f')} {fmt(row.cgcompile_ms, '7.2f')} {fmt(speedup, '5.2f')}  {row.note or ''}")
     return line[:TABLE_WIDTH]
 
 
@@ -535,7 +660,7 @@ def print_report(rows: list[Row]) -> None:
     models = {row.model for row in rows}
     print(f"\n{len(models)} models, {len(rows)} rows: {len(rows) - len(failed)} passed or skipped, {len(failed)} failed")
     for row in failed:
-        print(f"FAIL {row.model} size {row.size}: {row.note}")
+        print(f"FAIL {row.model} call {row.call} size {row.size}: {row.note}")
     slower = [row.model for row in rows if row.eager_ms and row.cgcompile_ms and row.cgcompile_ms > row.eager_ms]
     if slower:
         print(f"slower than eager at batch 1 (not a failure): {', '.join(slower)}")
@@ -546,6 +671,8 @@ def environment(options: Options) -> dict:
     return {"device": device, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "dtype": str(options.dtype).removeprefix("torch."),
             "compiler": options.compiler, "capture_sizes": CAPTURE_SIZES, "new_tokens": options.new_tokens,
+            "lm_sequence": options.lm_sequence, "encoder_sequence": options.encoder_sequence,
+            "fresh_per_size": options.fresh_per_size, "padding": options.padding,
             "tolerance": options.tolerance, "speed": options.speed, "rounds": options.rounds}
 
 
@@ -567,13 +694,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated names (see --list) or kinds {KINDS}; default: all")
     parser.add_argument("--speed", action="store_true", help="time batch 1 against eager (use --dtype bfloat16)")
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds with --speed")
-    parser.add_argument("--sizes", default=None,
-                        help="comma-separated batch sizes / item counts for every model "
-                             "(default: 1,3 for language models, 1,3,8 for encoders); "
-                             "--speed --sizes 1 times batch 1 without compiling the other sizes")
+    parser.add_argument("--sequence", default=None,
+                        help="comma-separated batch sizes / item counts every model runs in turn "
+                             "(default: 1,3,4,1 for language models, 1,3,8,1 for encoders); "
+                             "--speed --sequence 1 times batch 1 without compiling the other sizes")
+    parser.add_argument("--fresh-per-size", action="store_true",
+                        help="a fresh Dynamo and Backend for every call (default: one compiled model per architecture)")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--fuse-sibling-linears", action="store_true",
                         help="compile with Config(fuse_sibling_linears=True)")
+    parser.add_argument("--padding", action="store_true", help="compile with Config(padding=True): pads on CPU too")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
     args = parser.parse_args(argv)
@@ -594,19 +724,20 @@ def select(words: list[str]) -> list[str]:
 
 def options_from(args: argparse.Namespace) -> Options:
     chosen = {}
-    if args.sizes:
-        sizes = tuple(int(s) for s in args.sizes.split(","))
-        chosen = {"lm_batches": sizes, "encoder_sizes": sizes}
+    if args.sequence:
+        sizes = tuple(int(s) for s in args.sequence.split(","))
+        chosen = {"lm_sequence": sizes, "encoder_sequence": sizes}
     return Options(**chosen, device=args.device, dtype=getattr(torch, args.dtype),
                    compiler=args.compiler or ("inductor" if args.device == "cuda" else "eager"),
                    new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds,
-                   fuse_sibling_linears=args.fuse_sibling_linears)
+                   fuse_sibling_linears=args.fuse_sibling_linears, fresh_per_size=args.fresh_per_size,
+                   padding=True if args.padding else None)
 
 
 def print_list() -> None:
     for arch in ARCHS:
         available = "" if hasattr(transformers, arch.config) else f"  (not in transformers {transformers.__version__})"
-        print(f"{arch.name:<14} {arch.kind:<8} {arch.config:<20} {arch.auto_class}{available}")
+        print(f"{arch.name:<17} {arch.kind:<8} {arch.config:<23} {arch.auto_class}{available}")
 
 
 def main(argv: list[str] | None = None) -> int:

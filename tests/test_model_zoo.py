@@ -1,10 +1,14 @@
 """benchmarks/model_zoo.py: a CPU subset of the zoo, its failure reporting, --list; the whole zoo on a GPU.
 
-The CPU subset is one architecture of each kind at the smallest sizes, with
-compiler="eager" (pieces run as FX code: the split is the same as with Inductor, and
-Inductor's C++ compiles would take minutes on CI's two cores).
+The CPU subset runs the size sequence (batch 1, a non-capture batch, a capture batch,
+batch 1 again, each call another prompt) on one compiled model of a few cheap
+architectures (dense, sliding-window, mixed-layer, MoE, state-space, text encoder, vision,
+seq2seq), with compiler="eager" (pieces run as FX code: the split is the same as with
+Inductor, and Inductor's C++ compiles would take minutes on CI's two cores), both as
+the zoo compiles and with Config(padding=True), so that the padded path runs on CPU.
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -27,27 +31,58 @@ def load_zoo():
 
 
 zoo = load_zoo()
-CPU = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(1,), encoder_sizes=(1, 3))
+CPU = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_sequence=(1, 3, 4, 1), encoder_sequence=(1, 3, 8, 1))
+# (name, Config.padding): None as the zoo compiles (no padding without CUDA graphs), True
+# pads the non-capture batch 3 to 4 on CPU. Sliding windows (mistral, gemma3's mix of
+# sliding and full layers), MoE, a state-space decoder, a text encoder, vision, seq2seq.
+SUBSET = [("llama", None), ("gemma3", None), ("mamba", None), ("bert", None), ("vit", None), ("t5", None),
+          ("mistral", True), ("mixtral", True), ("mamba", True), ("vit", True)]
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral", "bert", "vit", "t5"])
-def test_cpu_subset_matches_eager(name):
-    rows = zoo.run_zoo([name], CPU)
-    assert [row.size for row in rows] == list(zoo.sizes(zoo.BY_NAME[name], CPU))
+@pytest.mark.parametrize("name, padding", SUBSET, ids=[f"{n}-{'padded' if p else 'default'}" for n, p in SUBSET])
+def test_cpu_subset_matches_eager_through_the_sequence(name, padding):
+    options = dataclasses.replace(CPU, padding=padding)
+    rows = zoo.run_zoo([name], options)
+    sequence = zoo.sequence(zoo.BY_NAME[name], options)
+    assert [(row.call, row.size) for row in rows] == list(enumerate(sequence))
     for row in rows:
-        assert (row.status, row.error) == ("ok", None), row.note
+        assert (row.status, row.error) == ("ok", None), f"call {row.call}: {row.note}"
         assert row.max_err <= 1e-4
         if row.tokens_total is not None:
             assert row.tokens_equal == row.tokens_total == row.size * CPU.new_tokens
-        # Attention split the graph: some pieces run eagerly, the others are capturable.
+        # Attention (and what else cannot be captured) split the graph: some pieces run
+        # eagerly, the others are capturable.
         assert 0 < row.capturable < row.pieces
         assert row.graphs_captured == 0  # no CUDA graphs on CPU
+    # One compiled model: the stats grow call by call, and batch 1 again reuses its graphs.
+    assert [row.graphs for row in rows] == sorted(row.graphs for row in rows)
+    assert rows[-1].graphs == rows[-2].graphs
+    # Without CUDA graphs cgcompile pads only when told; told, graphs dynamic in the batch pad.
+    assert (rows[-1].padded_graphs > 0) == bool(padding)
 
 
-def test_left_padded_batch_matches_eager():
-    options = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(3,))
-    [row] = zoo.run_zoo(["qwen2"], options)
-    assert (row.status, row.tokens_equal, row.tokens_total) == ("ok", 24, 24), row.note
+@pytest.mark.xfail(strict=True, reason="padding_safety does not know that cgcompile's own additive_attention_mask "
+                                       "(passes/attention_mask.py) keeps rows apart: the graph runs at exact sizes")
+def test_an_encoder_with_a_padding_mask_pads():
+    rows = zoo.run_zoo(["bert"], dataclasses.replace(CPU, padding=True))
+    assert [row.status for row in rows] == ["ok"] * 4, [row.note for row in rows]
+    assert rows[-1].padded_graphs > 0
+
+
+def test_calls_at_one_size_get_different_inputs():
+    arch, config = zoo.BY_NAME["llama"], zoo.transformers.LlamaConfig(**zoo.BY_NAME["llama"].kwargs)
+    first, again = (zoo.make_inputs(arch, config, zoo.Row("llama", "decoder", 1, call), CPU) for call in (0, 3))
+    assert not torch.equal(first["input_ids"], again["input_ids"])
+    batch = zoo.make_inputs(arch, config, zoo.Row("llama", "decoder", 4, 2), CPU)
+    assert batch["attention_mask"][:, 0].tolist() == [1, 0, 0, 0]  # left padding: row i has i pads
+
+
+def test_fresh_per_size_compiles_each_call_anew():
+    options = dataclasses.replace(CPU, lm_sequence=(1, 3), fresh_per_size=True)
+    rows = zoo.run_zoo(["qwen2"], options)
+    assert [row.status for row in rows] == ["ok", "ok"], [row.note for row in rows]
+    # Prefill and decode, at each size from nothing (one compiled model would count 2, then 4).
+    assert [row.graphs for row in rows] == [2, 2]
 
 
 def test_a_failing_model_is_a_row_and_the_run_goes_on(monkeypatch, tmp_path, capsys):
@@ -60,13 +95,13 @@ def test_a_failing_model_is_a_row_and_the_run_goes_on(monkeypatch, tmp_path, cap
 
     monkeypatch.setattr(zoo, "build", build_or_fail)
     out = tmp_path / "zoo.json"
-    assert zoo.main(["--device", "cpu", "--models", "bert,distilbert", "--json", str(out)]) == 1
-    rows = {(row["model"], row["size"]): row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == [(name, size) for name in ("bert", "distilbert") for size in (1, 3, 8)]
-    assert rows["bert", 1]["status"] == "FAIL"
-    assert rows["bert", 1]["error"] == "build: RuntimeError: no bert today"
-    assert all(rows["distilbert", size]["status"] == "ok" for size in (1, 3, 8))
-    assert "FAIL bert size 1: build: RuntimeError: no bert today" in capsys.readouterr().out
+    assert zoo.main(["--device", "cpu", "--models", "bert,distilbert", "--sequence", "1,3", "--json", str(out)]) == 1
+    rows = {(row["model"], row["call"]): row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == [(name, call) for name in ("bert", "distilbert") for call in (0, 1)]
+    assert rows["bert", 0]["status"] == "FAIL"
+    assert rows["bert", 0]["error"] == "build: RuntimeError: no bert today"
+    assert all(rows["distilbert", call]["status"] == "ok" for call in (0, 1))
+    assert "FAIL bert call 0 size 1: build: RuntimeError: no bert today" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
@@ -96,7 +131,7 @@ def test_list_names_every_architecture():
     names = [line.split()[0] for line in result.stdout.splitlines()]
     assert names == [arch.name for arch in zoo.ARCHS]
     kinds = {arch.kind for arch in zoo.ARCHS}
-    assert len(names) >= 22 and kinds == {"decoder", "moe", "encoder", "vision", "seq2seq"}
+    assert len(names) >= 60 and kinds == set(zoo.KINDS)
 
 
 def test_unknown_model_name_is_a_usage_error():
@@ -106,7 +141,7 @@ def test_unknown_model_name_is_a_usage_error():
 
 
 def test_speed_columns_at_batch_1():
-    options = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_batches=(1,), encoder_sizes=(1,),
+    options = zoo.Options(device="cpu", compiler="eager", new_tokens=8, lm_sequence=(1,), encoder_sequence=(1,),
                           speed=True, rounds=2)
     rows = zoo.run_zoo(["gpt2", "distilbert"], options)
     for row in rows:
@@ -123,6 +158,6 @@ def test_speed_columns_at_batch_1():
 @pytest.mark.parametrize("name", [arch.name for arch in zoo.ARCHS])
 def test_zoo_on_cuda_in_float32(name):
     rows = zoo.run_zoo([name], zoo.Options(device="cuda", compiler="inductor"))
-    failed = [f"size {row.size}: {row.note}" for row in rows if row.status == "FAIL"]
+    failed = [f"call {row.call}, size {row.size}: {row.note}" for row in rows if row.status == "FAIL"]
     assert not failed, "\n".join(failed)
     assert all(row.graphs_captured > 0 for row in rows if row.status == "ok")
