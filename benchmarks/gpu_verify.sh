@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks that CI cannot run, in one call on the lent GPU machine: the cuda-marked
-# tests, the differential padding fuzzer and the fp32 model zoo, run side by side (the GPU
-# is shared by correctness jobs only; nothing here is timed). Logs and JSON go to
-# $OUT/verify.tgz; the summary is printed.
+# tests, the differential padding fuzzer and the model zoo (fp32, and bf16 for the language
+# models), run side by side (the GPU is shared by correctness jobs only; nothing here is
+# timed). Logs and JSON go to $OUT/verify.tgz; the summary is printed.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
 set -uo pipefail
@@ -44,17 +44,32 @@ job fuzz_sequence_inductor python3 -m cgcompile.fuzz --cases 30 --seed 8000 --de
   --sequence
 job example_sq python3 examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention \
   --batch 3 --new-tokens 32
-job zoo_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_a.json" \
-  --models llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3,phi,phi3,stablelm
-job zoo_b python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_b.json" \
-  --models olmo2,cohere,granite,starcoder2,gpt2,gptj,gpt_neox,opt,falcon,bloom
-job zoo_c python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_c.json" --models moe,seq2seq
-job zoo_d python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_d.json" --models encoder,vision
-# Fused linears in two halves: as one job it outlasted the limit on a slow host.
-job zoo_fused_a python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_fused_a.json" --fuse-sibling-linears \
+# The model zoo: every architecture runs batch 1, 3, 4, 1 (encoders 1, 3, 8, 1 items) on one
+# compiled model. About 7 language models a job (each compiles 3 sizes), state-space
+# decoders 5 (their scans unroll into many pieces).
+ZOO=(python3 benchmarks/model_zoo.py --device cuda)
+job zoo_a "${ZOO[@]}" --json "$LOGS/zoo_a.json" --models llama,mistral,qwen2,qwen3,gemma,gemma2,gemma3
+job zoo_b "${ZOO[@]}" --json "$LOGS/zoo_b.json" --models phi,phi3,stablelm,olmo2,cohere,granite,starcoder2
+job zoo_c "${ZOO[@]}" --json "$LOGS/zoo_c.json" --models gpt2,gptj,gpt_neox,opt,falcon,bloom,cohere2,lfm2
+job zoo_moe_a "${ZOO[@]}" --json "$LOGS/zoo_moe_a.json" --models mixtral,qwen2_moe,qwen3_moe,olmoe,granitemoe
+job zoo_moe_b "${ZOO[@]}" --json "$LOGS/zoo_moe_b.json" --models phimoe,deepseek_v3,llama4,gpt_oss,qwen3_next
+job zoo_ssm_a "${ZOO[@]}" --json "$LOGS/zoo_ssm_a.json" --models mamba,mamba2,falcon_mamba,jamba,zamba
+job zoo_ssm_b "${ZOO[@]}" --json "$LOGS/zoo_ssm_b.json" \
+  --models zamba2,bamba,falcon_h1,recurrent_gemma,granitemoehybrid
+job zoo_seq2seq "${ZOO[@]}" --json "$LOGS/zoo_seq2seq.json" --models seq2seq
+job zoo_encoders "${ZOO[@]}" --json "$LOGS/zoo_encoders.json" --models encoder,vision,audio
+# The language models in bfloat16 with the eager piece compiler (FX code in the CUDA graphs).
+ZOO_BF16=("${ZOO[@]}" --dtype bfloat16 --compiler eager)
+job zoo_bf16_decoder "${ZOO_BF16[@]}" --json "$LOGS/zoo_bf16_decoder.json" --models decoder
+job zoo_bf16_moe "${ZOO_BF16[@]}" --json "$LOGS/zoo_bf16_moe.json" --models moe
+job zoo_bf16_ssm "${ZOO_BF16[@]}" --json "$LOGS/zoo_bf16_ssm.json" --models ssm
+# Fused linears in three parts: as one job it outlasted the limit on a slow host.
+job zoo_fused_a "${ZOO[@]}" --json "$LOGS/zoo_fused_a.json" --fuse-sibling-linears \
   --models llama,qwen2,gemma2,phi3,olmo2,granite
-job zoo_fused_b python3 benchmarks/model_zoo.py --device cuda --json "$LOGS/zoo_fused_b.json" --fuse-sibling-linears \
-  --models gptj,opt,moe,encoder,vision
+job zoo_fused_b "${ZOO[@]}" --json "$LOGS/zoo_fused_b.json" --fuse-sibling-linears \
+  --models gptj,opt,mixtral,qwen2_moe,qwen3_moe
+job zoo_fused_c "${ZOO[@]}" --json "$LOGS/zoo_fused_c.json" --fuse-sibling-linears \
+  --models olmoe,granitemoe,phimoe,deepseek_v3,encoder,vision
 wait
 sort "$LOGS/status.txt"
 # cgcompile never launches an empty graph and says so at INFO; torch's warning means one slipped through.
