@@ -38,6 +38,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
+from .attention_mask import additive_attention_mask
 from .graph_values import example_value, tensors_in
 from .split_rule import is_floating, mutated_base
 
@@ -141,6 +142,8 @@ def _scalar_rule(op: str, node: Node, scalars: list[tuple[Any, Any]]) -> str | N
 
 def _op_rule(op: str, node: Node, symbol) -> str | None:
     if op in _ROW_WISE or _is_pointwise(node, op) or _unpacks_tuple(node, op):
+        return None
+    if node.target is additive_attention_mask:  # the mask rewrite's own function: elementwise
         return None
     if op in _RESHAPES:
         return _reshape_rule(op, node, symbol)
