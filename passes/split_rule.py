@@ -197,8 +197,14 @@ def _symbol_rule(node: Node, outputs: list[torch.Tensor], allowed: set) -> tuple
         for t in tensors:
             other = free_symbols(t) - allowed
             if other:
-                return "dynamic_shape", f"{role} shape {tuple(t.shape)} {_not_capture_dim(other, allowed)}"
+                where = "shape" if other & _shape_symbols(t) else "strides"  # only in the strides: say so
+                layout = tuple(t.shape) if where == "shape" else tuple(t.stride())
+                return "dynamic_shape", f"{role} {where} {layout} {_not_capture_dim(other, allowed)}"
     return None
+
+
+def _shape_symbols(t: torch.Tensor) -> set:
+    return {sym for d in t.shape if isinstance(d, torch.SymInt) for sym in d.node.expr.free_symbols}
 
 
 def _scalar_rule(node: Node, allowed: set) -> tuple[str, str] | None:
