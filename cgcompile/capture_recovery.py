@@ -100,7 +100,7 @@ class _NodeByNodeCapture(Interpreter):
                 end_capture(graph)  # a node alone may launch nothing: no warning for that
             except Exception as e:  # noqa: BLE001 - any failure under capture is the answer
                 try:
-                    graph.capture_end()
+                    end_capture(graph)  # a failure before any launch leaves it empty: no warning
                 except RuntimeError:
                     pass
                 end_pool_allocation(pool)

@@ -72,15 +72,23 @@ def copy_out(outputs, copies: tuple[OutputCopy, ...]) -> tuple:
 
 
 def copy_with_strides(value: torch.Tensor) -> torch.Tensor:
-    """A copy with `value`'s sizes and strides, a view of a larger tensor included.
+    """A copy laid out as `value` is: its sizes and strides, and for a view, a base shaped
+    like its base.
 
-    `clone()` makes a view that is not dense (`cat(...)[:, :, 1:]`) contiguous; a caller
-    that keeps it and passes it back (a KV cache) would then fail a stride guard, and
-    Dynamo would compile again. So the copy spans the memory the view reaches, laid out
-    alike. Views whose elements overlap (an `expand`) cannot be written that way: cloned.
+    `clone()` makes a view that is not dense (`cat(...)[:, :, 1:]`) contiguous, and a
+    caller that keeps it and passes it back (a KV cache) would fail Dynamo's stride
+    guards, which eager's view passes; Dynamo also guards on the sizes of such an input's
+    `_base`. So a view is copied into a fresh tensor shaped like its base (the graph's
+    output buffer, as eager's base is the op's output), of which only the view is
+    written. Views whose elements overlap (an `expand`) are cloned.
     """
     if value.numel() == 0 or _overlaps(value):
         return value.clone()
+    root = value._base
+    if root is not None and root.element_size() == value.element_size() and not _overlaps(root):
+        base = torch.empty_strided(root.shape, root.stride(), dtype=value.dtype, device=value.device)
+        offset = value.storage_offset() - root.storage_offset()
+        return base.as_strided(value.shape, value.stride(), offset).copy_(value)
     span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()))
     return value.new_empty(span).as_strided(value.shape, value.stride()).copy_(value)
 
