@@ -64,13 +64,31 @@ class TracedLayout:
         return args if changed is None else changed
 
     def zeros(self, index: int, like: torch.Tensor, shape: Sequence[int], size: int) -> torch.Tensor:
-        """Zeros of `shape` in input `index`'s traced layout at `size` (else `like`'s order)."""
+        """Zeros of `shape` in input `index`'s traced layout at `size` (else `like`'s order).
+
+        Traced strides that depend on another size (a strided view of a graph input marked
+        dynamic: `x[:, ::2]` traces as strides (16*s1, s1)) are `like`'s own: Dynamo's
+        guards tie a graph input's strides to the traced ones, and a compiled piece that is
+        handed s1 checks them."""
         expected = self.strides(index, size)
+        if expected is None and len(shape) == like.dim() and not overlaps(shape, like.stride()):
+            expected = like.stride()
         if expected is not None and len(expected) == len(shape):
             return torch.empty_strided(shape, expected, dtype=like.dtype, device=like.device).zero_()
         order = sorted(range(like.dim()), key=lambda d: -like.stride(d))
         buf = like.new_zeros([shape[d] for d in order])
         return buf.permute([order.index(d) for d in range(like.dim())])
+
+
+def overlaps(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether two elements of a tensor of this shape and strides share memory (dims
+    sorted by stride must nest; a conservative test: some exotic layouts count too)."""
+    reach = 0  # elements the smaller-strided dims already span, minus one
+    for stride, size in sorted((st, sz) for st, sz in zip(strides, shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def _stride_exprs(value) -> tuple | None:

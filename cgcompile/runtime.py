@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 from .attention_backend import call_without_cudnn_attention
+from .layout import overlaps
 from .padding import SizePolicy, StepSize
 
 
@@ -94,13 +95,7 @@ def copy_with_strides(value: torch.Tensor) -> torch.Tensor:
 
 
 def _overlaps(value: torch.Tensor) -> bool:
-    """Whether two elements of `value` share memory (dims sorted by stride must nest)."""
-    reach = 0  # elements the smaller-strided dims already span, minus one
-    for stride, size in sorted((st, sz) for st, sz in zip(value.stride(), value.shape) if sz > 1):
-        if stride <= reach:
-            return True
-        reach += (size - 1) * stride
-    return False
+    return overlaps(value.shape, value.stride())
 
 
 @dataclasses.dataclass(frozen=True)

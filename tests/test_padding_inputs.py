@@ -71,3 +71,38 @@ def test_module_state_sized_by_the_rows_runs_at_exact_sizes(device):
     captured = [p for p in backend.pieces if p.capturable]
     assert captured and all(p.sizes.startswith("exact sizes") for p in captured)
     assert "module state" in captured[0].padding_unsafe
+
+
+def _regroup(x):  # x: [n, 16], a strided view: its traced strides are (16*s1, s1)
+    return torch.softmax(x.reshape(-1, 8), dim=-1).reshape(x.shape)
+
+
+def _strided_input(n, device):
+    x = torch.randn(n, 32, device=device)[:, ::2]
+    torch._dynamo.mark_dynamic(x, 0)
+    return x
+
+
+def test_an_input_buffer_takes_strides_that_depend_on_another_size_from_the_input():
+    # The piece that reshapes back reads x for its size only; x's strides are symbolic.
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(2, 4, 8)))
+    compiled = torch.compile(_regroup, backend=backend)
+    x = _strided_input(5, "cpu")
+    torch.testing.assert_close(compiled(x), _regroup(x))
+    runners = [r for rt in backend.runtimes for r in rt.runners if hasattr(r, "traced")]
+    layouts = [(r.traced, i) for r in runners for i, s in enumerate(r.traced._strides)
+               if s is not None and r.traced.strides(i, 5) is None]
+    assert layouts, "expected an input whose traced strides depend on another size"
+    for traced, i in layouts:
+        assert traced.zeros(i, x, x.shape, 5).stride() == x.stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_strided_input_view_with_inductor_pieces(device):
+    config = cgcompile.Config(compiler="inductor", capture_sizes=(2, 4, 8),
+                              padding=True if device == "cpu" else None)
+    compiled = torch.compile(_regroup, backend=cgcompile.Backend(config))
+    with torch.no_grad():
+        for n in (5, 5, 3, 8):
+            x = _strided_input(n, device)
+            torch.testing.assert_close(compiled(x), _regroup(x))
