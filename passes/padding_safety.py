@@ -213,7 +213,7 @@ def _indexing_rule(op: str, node: Node, symbol) -> str | None:
             f"has none: a padded graph would write its padding rows there too"
         )
     if op in ("getitem", "setitem"):
-        return _subscript_rule(op, node, source, dims)
+        return _subscript_rule(op, node, source, dims, symbol)
     spec = (2, "dim", None) if op == "take_along_dim" else (1, "dim", None)
     indexed = _resolve_dims(node, spec, source.dim())
     if indexed is None or set(indexed) & set(dims):
@@ -221,7 +221,7 @@ def _indexing_rule(op: str, node: Node, symbol) -> str | None:
     return None
 
 
-def _subscript_rule(op: str, node: Node, source: torch.Tensor, dims: tuple[int, ...]) -> str | None:
+def _subscript_rule(op: str, node: Node, source: torch.Tensor, dims: tuple[int, ...], symbol) -> str | None:
     index = node.args[1] if len(node.args) > 1 else None
     per_dim = _index_per_dim(index, source.dim())
     if per_dim is None:
@@ -229,7 +229,32 @@ def _subscript_rule(op: str, node: Node, source: torch.Tensor, dims: tuple[int, 
     for d, item in per_dim.items():
         if d in dims and not _keeps_rows(item):
             return f"{op} picks rows of the capture dimension (dim {d} of {_shape(source)}) with {item!r}"
+        if d not in dims and _holds_row_positions(item, symbol):
+            # A mask [B, L] whose B is another symbol, indexed with arange(n) (transformers'
+            # padding mask function): padded, the positions run past its end.
+            return (f"{op} indexes dim {d} of {_shape(source)}, which is not the capture dimension, with "
+                    f"positions up to the capture size ({item.name}): a padded graph indexes past its rows")
     return None
+
+
+# Ops that keep a tensor of row positions one (views, casts, a constant offset).
+_KEEPS_POSITIONS = frozenset({"getitem", "unsqueeze", "view", "reshape", "expand", "to", "long", "int",
+                              "contiguous", "clone", "add", "sub"})
+
+
+def _holds_row_positions(item, symbol, depth: int = 0) -> bool:
+    """Whether `item` holds 0..n-1 along the capture dimension (an `arange` up to its size,
+    viewed or offset by a constant): values up to the padded size in a padded graph."""
+    if not isinstance(item, Node) or not isinstance(example_value(item), torch.Tensor) or depth > 16:
+        return False
+    op = _op_name(item)
+    if op == "arange":
+        return any(symbol in value.node.expr.free_symbols
+                   for position, arg in _positions(item) for _, value in _scalar_leaves(arg, (position,)))
+    if op in _KEEPS_POSITIONS:
+        tensors = [a for a in item.args if isinstance(a, Node) and isinstance(example_value(a), torch.Tensor)]
+        return len(tensors) == 1 and _holds_row_positions(tensors[0], symbol, depth + 1)
+    return False
 
 
 def _capture_args(node: Node, symbol) -> bool:

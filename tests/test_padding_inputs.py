@@ -106,3 +106,26 @@ def test_a_strided_input_view_with_inductor_pieces(device):
         for n in (5, 5, 3, 8):
             x = _strided_input(n, device)
             torch.testing.assert_close(compiled(x), _regroup(x))
+
+
+def _mask_rows(x, mask):  # x: [n, 8]; mask: [n, 8], its rows a fixed size to Dynamo
+    t = torch.ops.cgcompile_testing.silly_attention(x, x, x)
+    rows = mask[torch.arange(x.shape[0])]  # positions 0..n-1 index the mask's own rows
+    return (t * rows).sin()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_up_to_the_capture_size_do_not_index_an_unpadded_tensor(device):
+    # Transformers' padding-mask function indexes the attention mask [B, L] with arange(B);
+    # where Dynamo fixed the mask's B while the batch is the capture dimension, padding
+    # would index past the mask's rows.
+    backend = _backend(device)
+    compiled = torch.compile(_mask_rows, backend=backend)
+    with torch.no_grad():
+        for n in SIZES:
+            x, mask = torch.randn(n, 8, device=device), torch.randn(n, 8, device=device)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_static(mask, 0)
+            torch.testing.assert_close(compiled(x, mask), _mask_rows(x, mask))
+    unsafe = [p.padding_unsafe for p in backend.pieces if p.padding_unsafe]
+    assert any("positions up to the capture size" in u for u in unsafe), unsafe
