@@ -110,7 +110,7 @@ def test_a_strided_input_view_with_inductor_pieces(device):
 
 def _mask_rows(x, mask):  # x: [n, 8]; mask: [n, 8], its rows a fixed size to Dynamo
     t = torch.ops.cgcompile_testing.silly_attention(x, x, x)
-    rows = mask[torch.arange(x.shape[0])]  # positions 0..n-1 index the mask's own rows
+    rows = mask[torch.arange(x.shape[0], device=x.device)]  # positions 0..n-1 index the mask's rows
     return (t * rows).sin()
 
 
