@@ -1,8 +1,8 @@
 """Hugging Face generate() with cgcompile: a small random Llama, eager against compiled.
 
-    python examples/hf_generate.py                                   # CPU, pieces as FX code: ~15 s
-    python examples/hf_generate.py --device cuda                     # CUDA graphs, fp32: tokens bit-equal
-    python examples/hf_generate.py --device cuda --compiler inductor --dtype bfloat16
+    .venv/bin/python examples/hf_generate.py                                   # CPU, pieces as FX code: ~15 s
+    .venv/bin/python examples/hf_generate.py --device cuda                     # CUDA graphs, fp32: tokens bit-equal
+    .venv/bin/python examples/hf_generate.py --device cuda --compiler inductor --dtype bfloat16
 
 The one-line change is `model.forward = torch.compile(model.forward, backend=backend)`;
 generate() keeps its default DynamicCache. The model is built from a config with random

@@ -1,7 +1,7 @@
 """Hugging Face generate() on breakable CUDA graphs: no compilation, a small random Llama.
 
-    python examples/hf_generate_breakable.py                     # CPU: the breaks, checked op by op
-    python examples/hf_generate_breakable.py --device cuda       # CUDA graphs, fp32: tokens equal eager
+    .venv/bin/python examples/hf_generate_breakable.py                     # CPU: the breaks, checked op by op
+    .venv/bin/python examples/hf_generate_breakable.py --device cuda       # CUDA graphs, fp32: tokens equal eager
 
 The one-line change is `cgcompile.GraphManager(model, Config(use_breakable=True)).install()`;
 generate() keeps its default DynamicCache. Each decoder layer replays two graph segments

@@ -1,8 +1,8 @@
 """Greedy decoding on two pipeline stages, each compiled with cgcompile, two micro-batches
 in flight; the tokens are compared with a single-process eager run.
 
-    torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cpu    # gloo
-    torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cuda   # NCCL, CUDA graphs
+    .venv/bin/torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cpu    # gloo
+    .venv/bin/torchrun --nproc-per-node 2 examples/pipeline_parallel.py --device cuda   # NCCL, CUDA graphs
 
 Stage 0 embeds and runs the first half of the layers, stage 1 the rest and picks the next
 tokens, which go back to stage 0 (a ring). While stage 1 works on one micro-batch, stage 0

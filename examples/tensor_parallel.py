@@ -1,8 +1,8 @@
 """Greedy decoding with the layers sharded over two ranks (tensor parallel), compiled with
 cgcompile; the tokens are compared with a single-process eager run.
 
-    torchrun --nproc-per-node 2 examples/tensor_parallel.py --device cpu    # gloo, no graphs
-    torchrun --nproc-per-node 2 examples/tensor_parallel.py --device cuda   # NCCL, CUDA graphs
+    .venv/bin/torchrun --nproc-per-node 2 examples/tensor_parallel.py --device cpu    # gloo, no graphs
+    .venv/bin/torchrun --nproc-per-node 2 examples/tensor_parallel.py --device cuda   # NCCL, CUDA graphs
 
 Each layer is Megatron style: q/k/v and gate/up split by head and unit across ranks,
 o_proj and down by input, one functional all-reduce after each of those two. Nothing

@@ -1,7 +1,7 @@
 """Compile a toy Llama with cgcompile, print how it was split, and check it against eager.
 
-    python examples/toy_llama.py                      # pieces run as FX code: a few seconds on CPU
-    python examples/toy_llama.py --compiler inductor  # each distinct capturable piece compiled once
+    .venv/bin/python examples/toy_llama.py                      # pieces run as FX code: a few seconds on CPU
+    .venv/bin/python examples/toy_llama.py --compiler inductor  # each distinct capturable piece compiled once
 
 The toy's attention is a custom op (`cgcompile.testing.SILLY_OP`), so it is named in
 `splitting_ops`; real attention (scaled_dot_product_attention, flash-attn) splits by default.

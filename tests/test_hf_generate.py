@@ -168,6 +168,15 @@ def test_compiling_the_model_object_in_place():
     assert backend.stats.graphs_seen == 3
 
 
+def test_the_readme_first_line_compiles_what_generate_calls():
+    # The README's first example, as written: the string backend, compiled in place.
+    model = tiny_model("llama")
+    expected = generate(model, 1, 8)
+    model.compile(backend="cgcompile", options={"compiler": "eager"})
+    assert torch.equal(generate(model, 1, 8), expected)
+    assert cgcompile.backend_of(model).stats.graphs_seen == 3
+
+
 def test_generate_of_a_torch_compile_wrapper_runs_eagerly():
     # torch.compile(model) returns an OptimizedModule; its .generate is the original
     # model's bound method, which calls the original, uncompiled model. Documented
