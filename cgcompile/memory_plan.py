@@ -57,7 +57,8 @@ class MemoryPlan:
 
     sizes: the sizes planned, largest first. captured: those that get graphs (all of them
     without a budget). budget: bytes, or None. actual_bytes: the pool after the capture,
-    once it ran. Calls of a size that was not captured: see `runs_at`.
+    once it ran. capture_sizes: the Backend's (empty in plans written before it was
+    recorded). Calls of a size that was not captured: see `runs_at`.
     """
 
     name: str
@@ -65,6 +66,7 @@ class MemoryPlan:
     captured: tuple[int, ...]
     budget: int | None = None
     actual_bytes: int | None = None
+    capture_sizes: tuple[int, ...] = ()  # Config.capture_sizes: a call of another size runs padded to one
 
     @property
     def graphs(self) -> int:
@@ -95,27 +97,51 @@ class MemoryPlan:
 
 
 def format_plan(plan: dict) -> str:
-    """The plan as a table: one row per size, then what calls of other sizes do."""
-    captured = plan["captured"]
+    """The plan as a table: one row per size, then what calls of other sizes do.
+
+    Worded by what happened: "captured" once a capture ran under the plan (`actual_bytes`
+    is set), "would capture" for a plan made before any capture (counted without CUDA, or
+    profiled in a temporary pool that is released again). A planned size that is not a
+    capture size gets no graphs of its own: its calls, the capture's too, run padded up.
+    """
+    ran = plan.get("actual_bytes") is not None
+    configured = tuple(plan.get("capture_sizes") or ())
+    own = [s for s in plan["captured"] if not configured or s in configured]
     rows = [(r["size"], r["graphs"], r["pool_bytes"]) for r in plan["sizes"]]
-    graphs = sum(g or 0 for s, g, _ in rows if s in captured)
-    estimate = next((b for s, _, b in reversed(rows) if s in captured), 0) if captured else 0
-    head = [f"model {plan['name']}: {len(captured)} of {len(rows)} sizes captured, {graphs} graphs, "
-            f"estimate {_mib(estimate)}"]
-    if plan.get("actual_bytes") is not None:
+    graphs = sum(g or 0 for s, g, _ in rows if s in own)
+    estimate = next((b for s, _, b in reversed(rows) if s in own), 0) if own else 0
+    head = [f"model {plan['name']}: {len(own)} of {len(rows)} sizes {'captured' if ran else 'planned'}, "
+            f"{graphs} graphs{'' if ran else ' (none captured yet)'}, estimate {_mib(estimate)}"]
+    if ran:
         head.append(f"actual {_mib(plan['actual_bytes'])}")
     if plan.get("budget") is not None:
         head.append(f"budget {_mib(plan['budget'])}")
-    lines = [", ".join(head), f"  {'size':>6}  {'graphs':>6}  {'pool after':>12}  captured"]
+    verb = "captured" if ran else "would capture"
+    lines = [", ".join(head), f"  {'size':>6}  {'graphs':>6}  {'pool after':>12}  {verb}"]
     for size, count, pool in rows:
         count = "?" if count is None else count
-        lines.append(f"  {size:>6}  {count:>6}  {_mib(pool):>12}  {'yes' if size in captured else 'no'}")
-    if captured:
-        lines.append(f"  a call of size n runs padded to the smallest captured size >= n; "
-                     f"above {max(captured)} it runs without graphs")
-    else:
-        lines.append("  nothing captured: every call runs without graphs")
+        lines.append(f"  {size:>6}  {count:>6}  {_mib(pool):>12}  {_row_answer(size, own, configured)}")
+    lines.append(_calls_line(own, ran))
     return "\n".join(lines)
+
+
+def _row_answer(size: int, own: list[int], configured: tuple[int, ...]) -> str:
+    if size in own:
+        return "yes"
+    if configured and size not in configured:
+        above = [c for c in configured if c >= size]
+        return f"no: not a capture size (runs at {min(above)})" if above else "no: not a capture size"
+    return "no"
+
+
+def _calls_line(captured: list[int], ran: bool) -> str:
+    if not captured:
+        return "  nothing captured: every call runs without graphs"
+    if ran:
+        return (f"  a call of size n runs padded to the smallest captured size >= n; "
+                f"above {max(captured)} it runs without graphs")
+    return (f"  once captured (Backend.capture, CUDA only), a call of size n runs padded to the smallest "
+            f"captured size >= n; above {max(captured)} it runs without graphs")
 
 
 def _mib(value) -> str:
@@ -156,7 +182,7 @@ def count_graphs(backend, sizes=None, name: str = "model") -> MemoryPlan:
     sizes = sorted(requested_sizes("count_graphs", sizes, backend.config.capture_sizes, bounded=True), reverse=True)
     per_size, once = _graphs_per_call(backend)
     rows = tuple(SizePlan(s, per_size + (once if i == 0 else 0), None) for i, s in enumerate(sizes))
-    return MemoryPlan(name, rows, tuple(sizes))
+    return MemoryPlan(name, rows, tuple(sizes), capture_sizes=tuple(backend.config.capture_sizes))
 
 
 def _graphs_per_call(backend) -> tuple[int, int]:
@@ -200,7 +226,7 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
     profiled = {row.size for row in rows}
     unmeasured = {s: SizePlan(s, None, None) for s in sizes if s not in profiled}
     ordered = sorted([*rows, *unmeasured.values()], key=lambda row: -row.size)
-    return MemoryPlan(name, tuple(ordered), kept, memory_budget)
+    return MemoryPlan(name, tuple(ordered), kept, memory_budget, capture_sizes=tuple(backend.config.capture_sizes))
 
 
 def fitting_sizes(rows: tuple[SizePlan, ...], budget: int | None) -> tuple[int, ...]:

@@ -1,8 +1,8 @@
 """Hugging Face generate() over a static KV cache, each decode step one full CUDA graph.
 
-    python examples/hf_static_generate.py                           # CPU: the choice of path, no graphs
-    python examples/hf_static_generate.py --device cuda             # full CUDA graphs, fp32
-    python examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention
+    .venv/bin/python examples/hf_static_generate.py                           # CPU: the choice of path, no graphs
+    .venv/bin/python examples/hf_static_generate.py --device cuda             # full CUDA graphs, fp32
+    .venv/bin/python examples/hf_static_generate.py --device cuda --compiler inductor --small-query-attention
 
 With `cache_implementation="static"` the cache tensors stay at one address through a
 generate() and its length lives on the device, so attention may be captured too:
@@ -61,8 +61,13 @@ def main() -> None:
     runs = [generate(model, ids, args.new_tokens) for _ in range(2)]
 
     stats = backend.stats
-    print(f"decode calls: {stats.full_graph_calls} from the full graph, {stats.piecewise_calls} piecewise "
-          f"({stats.piecewise_reasons}); CUDA graphs captured: {stats.graphs_captured}")
+    if stats.graphs_captured:
+        print(f"decode calls: {stats.full_graph_calls} replayed the full graph, {stats.piecewise_calls} piecewise "
+              f"({stats.piecewise_reasons}); CUDA graphs captured: {stats.graphs_captured}")
+    else:  # CPU, or CUDA graphs off: the full-graph path runs, without a graph to replay
+        print(f"decode calls: {stats.full_graph_calls} full-graph calls (no CUDA graphs on {args.device}: the "
+              f"compiled forward ran as one piece), {stats.piecewise_calls} piecewise ({stats.piecewise_reasons}); "
+              f"CUDA graphs captured: 0")
     same = all(torch.equal(run, expected) for run in runs)
     print(f"greedy tokens {'identical to' if same else 'DIFFERENT from'} eager "
           f"({args.batch} x {args.new_tokens} new tokens, two generate() calls, compiler={args.compiler})")

@@ -37,3 +37,28 @@ def test_toy_llama_example_prints_the_split():
     assert lines[1].split() == ["piece", "capturable", "nodes", "inputs", "reason"]
     assert [line.split()[1] for line in lines[2:7]] == ["yes", "no", "yes", "no", "yes"]
     assert lines[-1] == "2 layers: 5 pieces, 3 capturable; outputs match eager"
+
+
+def _run(name: str, *args: str) -> list[str]:
+    result = subprocess.run([sys.executable, str(EXAMPLES[0].parent / name), *args], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result.stdout.splitlines()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the CPU run says")
+def test_vision_encoder_on_cpu_claims_no_captures():
+    lines = _run("vision_encoder.py")
+    assert lines[0] == "model vision: 6 of 6 sizes planned, 18 graphs (none captured yet), estimate unknown"
+    assert lines[1].split()[-2:] == ["would", "capture"]
+    assert not any("sizes captured" in line or "graphs captured" in line for line in lines)
+    assert lines[-1].endswith("no CUDA graphs on CPU: the plans above count what a capture on a GPU would make; "
+                              "nothing was captured")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the CPU run says")
+def test_hf_static_generate_on_cpu_names_full_graph_calls_without_graphs():
+    decode, tokens = _run("hf_static_generate.py", "--new-tokens", "4")
+    assert " full-graph calls (no CUDA graphs on cpu: the compiled forward ran as one piece)" in decode
+    assert "from the full graph" not in decode and decode.endswith("CUDA graphs captured: 0")
+    assert tokens.startswith("greedy tokens identical to eager")

@@ -180,4 +180,24 @@ def test_a_plan_lands_in_the_dump_folder(tmp_path):
     result = subprocess.run([sys.executable, "-m", "cgcompile.inspect", str(tmp_path)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "model decoder: 3 of 3 sizes captured, 9 graphs, estimate unknown" in result.stdout
+    assert "model decoder: 3 of 3 sizes planned, 9 graphs (none captured yet), estimate unknown" in result.stdout
+
+
+def test_a_plan_made_before_any_capture_says_would_capture():
+    model, backend, compiled = _compiled()
+    compiled(_ids(3))
+    lines = backend.plan_memory().format().splitlines()
+    assert lines[0] == "model model: 3 of 3 sizes planned, 9 graphs (none captured yet), estimate unknown"
+    assert lines[1].split()[-2:] == ["would", "capture"]
+    assert lines[2].split() == ["8", "3", "unknown", "yes"]
+    assert lines[-1].startswith("  once captured (Backend.capture, CUDA only)")
+    assert backend.stats.graphs_captured == 0
+
+
+def test_a_planned_size_that_is_not_a_capture_size_gets_no_graphs_of_its_own():
+    model, backend, compiled = _compiled()
+    compiled(_ids(3))
+    lines = backend.plan_memory(sizes=(3,)).format().splitlines()
+    assert lines[0].startswith("model model: 0 of 1 sizes planned, 0 graphs")
+    assert lines[2].split(maxsplit=3) == ["3", "3", "unknown", "no: not a capture size (runs at 4)"]
+    assert lines[-1] == "  nothing captured: every call runs without graphs"
