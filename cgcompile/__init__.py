@@ -47,7 +47,7 @@ from .backend import Backend, CaptureMemoryProfile  # noqa: E402  (after the pas
 from .compile_scope import backend_of  # noqa: E402
 from .breakable import BreakableRunner, eager_break  # noqa: E402
 from .config import Config  # noqa: E402
-from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError  # noqa: E402
+from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError, StateError  # noqa: E402
 from .manager import GraphManager  # noqa: E402
 from .memory_plan import MemoryPlan, SizePlan  # noqa: E402
 from .piece import BackendStats, Piece  # noqa: E402
@@ -70,5 +70,6 @@ __all__ = [
     "MemoryPlan",
     "Piece",
     "SizePlan",
+    "StateError",
     "eager_break",
 ]

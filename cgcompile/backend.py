@@ -17,7 +17,7 @@ import torch
 from . import dump
 from .compat import is_static_address
 from .config import Config, as_config
-from .errors import ConfigError
+from .errors import ArgumentError, ConfigError, StateError, expected
 from .piece import BackendStats, Piece
 from .piece_compiler import PieceCompiler, describe_input
 from .passes import (
@@ -94,6 +94,15 @@ class Backend:
     `pool` to share it with other graph users). Use one Backend per model.
     """
 
+    def __new__(cls, *args, **kwargs):
+        # torch.compile(model, backend=cgcompile.Backend) hands Dynamo the class, which then
+        # calls Backend(gm, example_inputs): say so before Python's TypeError about arguments.
+        if args and isinstance(args[0], torch.fx.GraphModule):
+            raise ArgumentError(expected(
+                "torch.compile: backend", "a Backend object, cgcompile.Backend(...)", "the class cgcompile.Backend",
+                "write backend=cgcompile.Backend() (or backend=cgcompile.Backend(cgcompile.Config(...)))", raw=True))
+        return super().__new__(cls)
+
     def __init__(self, config: Config | None = None, *, pool: Any = None, session: CaptureSession | None = None):
         self.config = as_config(config, "Backend")
         check_pool("Backend", pool)
@@ -114,6 +123,7 @@ class Backend:
         # Ops a capture failed on (capture recovery), by target: later graphs split there
         # at once instead of failing a capture and searching again.
         self._uncapturable: dict[Any, str] = {}
+        self._dump_folder: str | None = None  # claimed at the first dump (dump.claim_run_folder)
 
     def __deepcopy__(self, memo) -> "Backend":
         # A Backend is the one compile context of its graphs (pool, captured graphs, stats):
@@ -519,6 +529,9 @@ class Backend:
         pool, and the sizes a capture under `memory_budget` keeps. See `cgcompile.memory_plan`.
         """
         if model is None and make_inputs is None:
+            expect(bool(self.runtimes), "Backend.plan_memory", "a model compiled with this backend and called once",
+                   "no Dynamo graph yet", "call the compiled model once per kind of call (e.g. prefill and decode) "
+                   "first, or pass the compiled model and make_inputs to measure on CUDA", StateError, raw=True)
             expect(memory_budget is None, "plan_memory: memory_budget", "None without model and make_inputs",
                    memory_budget, "pass the compiled model and make_inputs: bytes are measured on CUDA")
             plan = count_graphs(self, sizes, name)
@@ -578,8 +591,11 @@ class Backend:
         dump.show_to_debuggers(split)
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
+            if self._dump_folder is None:  # one folder per Backend: runs never mix
+                self._dump_folder = dump.claim_run_folder(dump_dir)
             pieces = [p for p in self.pieces if p.graph_index == graph_index]
-            dump.write_graph_dump(dump_dir, graph_index, gm, split, pieces, str(analysis.capture_dim), full_plan)
+            dump.write_graph_dump(self._dump_folder, graph_index, gm, split, pieces, str(analysis.capture_dim),
+                                  full_plan)
 
 
 @dataclasses.dataclass(frozen=True)

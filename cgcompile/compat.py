@@ -43,11 +43,13 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: di
     return compile_fx(gm, example_inputs, config_patches=dict(options) if options else None)
 
 
-def inductor_option_names() -> frozenset[str]:
-    """Every key Inductor's config accepts (dotted for nested ones: "triton.cudagraphs")."""
+def inductor_option_types() -> dict:
+    """Every key Inductor's config accepts (dotted for nested ones: "triton.cudagraphs"), with the type it declares (a type or a union,
+    e.g. `bool` or `int | None`); `object` where this torch records none."""
     import torch._inductor.config as inductor_config
 
-    return frozenset(inductor_config.get_config_copy())
+    entries = getattr(inductor_config, "_config", {})
+    return {name: getattr(entries.get(name), "value_type", object) for name in inductor_config.get_config_copy()}
 
 
 def release_cublas_workspaces() -> None:

@@ -58,13 +58,30 @@ def backend_of(compiled: Any):
     Raises ArgumentError when `compiled` was not compiled with the string backend or has
     not been called yet (Dynamo compiles on the first call, and the Backend with it).
     """
-    call = torch_compile_call_of(compiled)
-    backend = _BACKENDS.get(id(call)) if call is not None else None
+    backend = _backend_behind(compiled)
+    forward = getattr(compiled, "__dict__", {}).get("forward")  # model.forward = torch.compile(model.forward)
+    if backend is None and forward is not None:
+        backend = _backend_behind(forward)
     if backend is None:
         raise ArgumentError(expected(
             "backend_of", "what torch.compile(..., backend='cgcompile') returned, called at least once",
-            compiled, "call it once first; or pass backend=cgcompile.Backend(config) and keep that object"))
+            compiled, _advice(compiled if forward is None else forward)))
     return backend
+
+
+def _backend_behind(compiled: Any):
+    call = torch_compile_call_of(compiled)
+    return _BACKENDS.get(id(call)) if call is not None else None
+
+
+def _advice(compiled: Any) -> str:
+    call = torch_compile_call_of(compiled)
+    if call is None:
+        return "call it once first; or pass backend=cgcompile.Backend(config) and keep that object"
+    if getattr(call, "compiler_name", "cgcompile") != "cgcompile":
+        return ("it was compiled with a Backend object: keep that object and use it "
+                "(a GraphManager's is GraphManager.backend)")
+    return "call it once first (Dynamo compiles at the first call)"
 
 
 def _warn_unscoped() -> None:

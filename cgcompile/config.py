@@ -5,9 +5,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import numbers
 import os
+import tempfile
+import types
+import typing
 from collections.abc import Mapping
 from typing import Any, Callable
+
+import torch
 
 from .errors import ConfigError, closest, expect, expected
 from .capturable_ops import CapturableOps, normalize_capturable
@@ -24,12 +30,17 @@ class Config:
     """How cgcompile splits, compiles and captures a model.
 
     splitting_ops: ops to split at besides the defaults (attention in every form,
-        flash-attn ops, ops tagged `cudagraph_unsafe`): op objects or "ns::op[.overload]".
+        flash-attn ops, ops tagged `cudagraph_unsafe`): op objects (what
+        `@torch.library.custom_op` returns too) or "ns::op[.overload]".
     capture_sizes: sizes of the capture dimension that get a CUDA graph; a call of size n
-        runs padded to the smallest capture size >= n.
+        runs padded to the smallest capture size >= n. Any order, any int type (numpy's
+        too): stored as sorted Python ints, as compile_sizes is.
     compiler: "eager" runs capturable pieces as FX code; "inductor" compiles each once.
     cudagraphs: None = on when the graph's tensors are on CUDA.
-    dump_dir: write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR).
+    dump_dir: write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR); "~" is
+        expanded, and a path that cannot be a writable folder is refused at once. Each
+        Backend dumps into a folder of its own: DUMP_DIR itself for the first, the first
+        free DUMP_DIR/run_<n> for any later one (see `cgcompile.dump.claim_run_folder`).
     capture_input / capture_input_dim: override which graph input's dimension is the
         capture dimension (see `cgcompile.passes.find_capture_dim` for the default rule).
         The input is named as in the model's forward, e.g. "input_ids".
@@ -141,6 +152,8 @@ class Config:
         for name in _TUPLE_FIELDS:  # lists are accepted and stored as tuples (hashable, frozen)
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in _SIZE_FIELDS:  # numpy ints become ints; sizes are kept sorted (the order means nothing)
+            object.__setattr__(self, name, _sorted_sizes(getattr(self, name)))
         for name in _OPTION_FIELDS:  # dicts are accepted and stored as sorted pairs (hashable)
             if isinstance(getattr(self, name), Mapping):
                 object.__setattr__(self, name, _as_pairs(name, getattr(self, name)))
@@ -157,11 +170,11 @@ class Config:
 
     @functools.cached_property
     def split_ops(self) -> SplitOps:
-        return SplitOps(frozenset(normalize_op(op) for op in self.splitting_ops))
+        return SplitOps(frozenset(normalize_op(_held_op(op)) for op in self.splitting_ops))
 
     @functools.cached_property
     def capturable_ops(self) -> CapturableOps:
-        return CapturableOps(frozenset(normalize_capturable(op) for op in self.capturable_split_ops))
+        return CapturableOps(frozenset(_capturable(op) for op in self.capturable_split_ops))
 
     @property
     def max_capture_size(self) -> int:
@@ -172,8 +185,12 @@ class Config:
         return cudagraphs if self.padding is None else self.padding
 
     def resolved_dump_dir(self) -> str | None:
-        """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only)."""
-        return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
+        """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only), with
+        "~" expanded; a path that cannot be a writable folder raises ConfigError."""
+        if self.dump_dir:
+            return os.path.expanduser(os.fspath(self.dump_dir))
+        value = os.environ.get(DUMP_DIR_ENV)
+        return check_dump_dir(DUMP_DIR_ENV, value) if value else None
 
     def resolved_use_breakable(self) -> bool:
         """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only).
@@ -200,6 +217,7 @@ class Config:
 
 
 _TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "compile_sizes", "capturable_split_ops")
+_SIZE_FIELDS = ("capture_sizes", "compile_sizes")
 _OPTION_FIELDS = ("inductor_options", "size_inductor_options")
 
 
@@ -211,7 +229,46 @@ def as_config(config: Any, culprit: str) -> Config:
            config, fix, ConfigError)
     config = config or Config()
     config.resolved_use_breakable()
+    config.resolved_dump_dir()
     return config
+
+
+def check_dump_dir(culprit: str, path: Any) -> str:
+    """`path` with "~" expanded, checked to be a folder cgcompile can make and write now.
+
+    Nothing is left behind: the nearest existing folder on the path gets a probe folder
+    that is removed at once (permission bits alone cannot tell: /proc is writable to root
+    by its bits, but nothing can be made there)."""
+    folder = os.path.expanduser(os.fspath(path))
+    existing = os.path.abspath(folder)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    fix = "choose a folder you can write, e.g. dump_dir='~/cgcompile_dump'"
+    if not os.path.isdir(existing):
+        where = "a file" if existing == os.path.abspath(folder) else f"a path under the file {existing!r}"
+        raise ConfigError(expected(culprit, "a folder path", f"{path!r}, {where}", fix, raw=True))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cgcompile_probe_", dir=existing))
+    except OSError as e:
+        raise ConfigError(expected(culprit, "a folder cgcompile can create and write",
+                                   f"{path!r} ({e.strerror} in {existing!r})", fix, raw=True)) from e
+    return folder
+
+
+def _held_op(op: Any) -> Any:
+    """The op object behind what `@torch.library.custom_op` returns (a CustomOpDef, the
+    object the user holds), else `op` itself."""
+    overload = getattr(op, "_opoverload", None)
+    return overload if isinstance(overload, torch._ops.OpOverload) else op
+
+
+def _capturable(entry: Any) -> str:
+    # normalize_op's own message would only ask for "ns::op"; a bare word is most likely
+    # a name for attention, which has its own keyword here.
+    expect(not isinstance(entry, str) or "::" in entry or entry == "attention", "capturable_split_ops",
+           '"attention" (every form of scaled-dot-product attention), an op object or "ns::op[.overload]"',
+           entry, 'write capturable_split_ops=("attention",) for SDPA', ConfigError)
+    return normalize_capturable(_held_op(entry))
 
 
 def _check_field_names(culprit: str, args: tuple, kwargs: dict) -> None:
@@ -256,6 +313,12 @@ def _optional_text(fix: str) -> Callable[[str, Any], None]:
     return check
 
 
+def _dump_dir(name: str, value: Any) -> None:
+    _optional_text("write dump_dir='path/to/folder'")(name, value)
+    if value is not None:
+        check_dump_dir(name, value)
+
+
 def _choice(*choices: str) -> Callable[[str, Any], None]:
     def check(name: str, value: Any) -> None:
         fix = closest(value, choices) if isinstance(value, str) else ""
@@ -278,6 +341,15 @@ def _capture_sizes(name: str, sizes: Any) -> None:
     expect(not bad, name, "positive ints", bad, "e.g. (1, 2, 4, 8)", ConfigError)
     dupes = sorted(s for s, n in collections.Counter(sizes).items() if n > 1)
     expect(not dupes, name, "each size once", f"{dupes} more than once", "remove the repeats", ConfigError, raw=True)
+
+
+def _sorted_sizes(sizes: Any) -> Any:
+    """Sizes as sorted Python ints when every one is an integer (numpy's included), else
+    as given, for `_capture_sizes` to refuse."""
+    if not isinstance(sizes, tuple) or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool)
+                                               for s in sizes):
+        return sizes
+    return tuple(sorted(int(s) for s in sizes))
 
 
 def _compile_sizes(name: str, sizes: Any) -> None:
@@ -312,14 +384,54 @@ def _inductor_options(name: str, pairs: Any) -> None:
            ConfigError)
     if not pairs:
         return
-    from .compat import inductor_option_names
+    from .compat import inductor_option_types
 
-    known = inductor_option_names()
-    for key, _ in pairs:
+    known = inductor_option_types()
+    for key, value in pairs:
         expect(key in known, name, "Inductor config options (torch._inductor.config)", f"unknown {key!r}",
-               closest(key, known) or "see torch._inductor.config for the names", ConfigError, raw=True)
+               _unknown_option_fix(key, value, known), ConfigError, raw=True)
         expect(key not in _REFUSED_INDUCTOR_OPTIONS, name, "options that keep pieces capturable", repr(key),
                f"remove it: {_REFUSED_INDUCTOR_OPTIONS.get(key)}", ConfigError, raw=True)
+        allowed = _plain_types(known[key])
+        if allowed is not None:
+            expect(_is_instance(value, allowed), f"{name}[{key!r}]",
+                   f"a value of Inductor's type {' | '.join(t.__name__ for t in allowed)}", value,
+                   f"e.g. {{{key!r}: {_example(allowed)!r}}}", ConfigError)
+
+
+def _unknown_option_fix(key: str, value: Any, known: Mapping[str, Any]) -> str:
+    nested = sorted(k for k in known if k.startswith(f"{key}."))
+    if not nested:
+        return closest(key, known) or "see torch._inductor.config for the names"
+    example = ({f"{key}.{k}": v for k, v in list(value.items())[:2]} if isinstance(value, Mapping)
+               else {nested[0]: "..."})
+    return f"{key!r} is a group of options: write each as a dotted key, e.g. {example}"
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_types(value_type: Any) -> tuple[type, ...] | None:
+    """The types an option declared as `value_type` takes, when all are plain (bool, int,
+    float, str, None); None when the declaration holds anything else (not checked)."""
+    members = typing.get_args(value_type) if isinstance(value_type, types.UnionType) or \
+        typing.get_origin(value_type) is typing.Union else (value_type,)
+    return tuple(members) if all(m in _PLAIN for m in members) else None
+
+
+def _is_instance(value: Any, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # a bool is an int to isinstance, not to Inductor
+        return bool in allowed
+    if float in allowed and isinstance(value, int):
+        return True
+    return isinstance(value, allowed)
+
+
+_EXAMPLES = {bool: True, int: 1, float: 1.0, str: "..."}
+
+
+def _example(allowed: tuple[type, ...]) -> Any:
+    return next((_EXAMPLES[t] for t in allowed if t in _EXAMPLES), None)
 
 
 _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
@@ -327,7 +439,7 @@ _FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
     "capture_sizes": _capture_sizes,
     "compiler": _choice(*COMPILERS),
     "cudagraphs": _optional_bool,
-    "dump_dir": _optional_text("write dump_dir='path/to/folder'"),
+    "dump_dir": _dump_dir,
     "capture_input": _optional_text("name the input as in forward, e.g. capture_input='input_ids'"),
     "capture_input_dim": _count("e.g. 1 for input_ids' dimension 1"),
     "reuse_output_buffers": _bool,

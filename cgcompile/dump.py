@@ -1,6 +1,7 @@
 """Write what the backend did to disk, for people: graphs as code and a summary table.
 
-Layout, one folder per Dynamo graph:
+Layout, one folder per Backend (DUMP_DIR itself for the first to dump there, then
+DUMP_DIR/run_<n>, see `claim_run_folder`), and in it one folder per Dynamo graph:
   DUMP_DIR/graph_<i>/original.py   the graph Dynamo captured, before splitting
   DUMP_DIR/graph_<i>/split.py      the stitching graph that calls the pieces
   DUMP_DIR/graph_<i>/piece_<k>.py  each piece's code
@@ -12,6 +13,7 @@ Layout, one folder per Dynamo graph:
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
@@ -103,9 +105,36 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+RUN_MARKER = ".cgcompile_run"  # DUMP_DIR's graphs belong to one Backend: the one that made this file
+
+
+def claim_run_folder(dump_dir: str) -> str:
+    """The folder one Backend dumps into, so that two runs never mix (nor their graph
+    numbers: each Backend counts from graph_0): DUMP_DIR itself when no run has dumped
+    there yet, else the first free DUMP_DIR/run_<n> (n >= 1). Both claims are atomic (a
+    file made with O_EXCL, a folder made with mkdir), so processes sharing DUMP_DIR (ranks
+    with one CGCOMPILE_DUMP_DIR) each get their own. `python -m cgcompile.inspect
+    DUMP_DIR` reads every run, its graphs labelled by the run folder."""
+    os.makedirs(dump_dir, exist_ok=True)
+    if not glob.glob(os.path.join(dump_dir, "graph_*")):  # a dump from before the marker has no marker
+        try:
+            with open(os.path.join(dump_dir, RUN_MARKER), "x"):
+                return dump_dir
+        except FileExistsError:
+            pass
+    n = 1
+    while True:
+        try:
+            folder = os.path.join(dump_dir, f"run_{n}")
+            os.mkdir(folder)
+            return folder
+        except FileExistsError:
+            n += 1
+
+
 def _new_folder(dump_dir: str, graph_index: int) -> str:
-    """graph_<k> for the first k >= graph_index not taken yet: several Backends (one per
-    graph with backend="cgcompile") may dump into one folder without overwriting."""
+    """graph_<k> for the first k >= graph_index not taken yet (only a Backend's own graphs
+    are dumped in its folder, so k is graph_index but for a dump from before the marker)."""
     os.makedirs(dump_dir, exist_ok=True)
     k = graph_index
     while True:

@@ -29,6 +29,11 @@ class ArgumentError(CGCompileError, ValueError):
     """An argument to a cgcompile function or method has the wrong type or value."""
 
 
+class StateError(CGCompileError, RuntimeError):
+    """A call made before what it needs, or twice where once is allowed: `plan_memory`
+    before the model ran, `uninstall` before `install`, a second manager installed on a model."""
+
+
 class CaptureError(CGCompileError, RuntimeError):
     """A CUDA graph could not be captured or replayed (names the piece or size), or cannot
     be captured here at all (no CUDA, or CUDA graphs turned off)."""

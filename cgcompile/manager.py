@@ -16,6 +16,7 @@ per decoder layer, with the cache update and attention as eager steps.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -37,10 +38,14 @@ from .breakable_path import BreakablePath, boundary_path
 from .breakable_segments import SEGMENT_KINDS
 from .capture import CaptureSession
 from .config import Config, as_config
-from .errors import ArgumentError, expect
+from .errors import ArgumentError, StateError, expect, expected
 from .integrations import integration_for
 
 log = logging.getLogger(__name__)
+
+# model -> the GraphManager installed on it: a second install would stack one path on the
+# other (and uninstalling them out of order leave the model patched).
+_INSTALLED: "weakref.WeakKeyDictionary[torch.nn.Module, GraphManager]" = weakref.WeakKeyDictionary()
 
 
 class GraphManager:
@@ -74,6 +79,7 @@ class GraphManager:
         self._breakable: BreakablePath | None = None
         self._installed: Any = None  # what install() put on model.forward (compiled path)
         self.installed = False
+        self._install_called = False  # install() ran, even where graphs off made it change nothing
         log.info(
             "cgcompile: %s runs %s", type(model).__name__,
             "eagerly (CUDA graphs off)" if not self.graphs_enabled
@@ -127,7 +133,15 @@ class GraphManager:
     def install(self) -> "GraphManager":
         """Route the model's own calls (`model(...)`, `model.generate(...)`) through the
         chosen path until `uninstall()`; returns the manager. With graphs off it changes
-        nothing (the model runs eagerly, as `run_pw_graph` would)."""
+        nothing (the model runs eagerly, as `run_pw_graph` would). Raises StateError when
+        another GraphManager is installed on the model."""
+        other = _INSTALLED.get(self.model)
+        if other is not None and other is not self:
+            raise StateError(expected(
+                "GraphManager.install", "a model no other GraphManager is installed on",
+                f"a {type(self.model).__name__} another manager installed on", "call uninstall() on that "
+                "manager first, or run this one with run_pw_graph (one GraphManager per model)", raw=True))
+        self._install_called = True
         if self.installed or not self.graphs_enabled:
             return self
         if self.use_breakable:
@@ -136,10 +150,14 @@ class GraphManager:
             self._installed = torch.compile(self.model.forward, backend=self.backend)
             self.model.forward = self._installed
         self.installed = True
+        _INSTALLED[self.model] = self
         return self
 
     def uninstall(self) -> None:
-        """Undo `install()`: the model's forward methods are what they were before."""
+        """Undo `install()`: the model's forward methods are what they were before. Raises
+        StateError before any `install()`; a second uninstall does nothing."""
+        expect(self._install_called, "GraphManager.uninstall", "a manager installed with install()",
+               "one never installed", "call install() first (or use `with manager:`)", StateError, raw=True)
         if not self.installed:
             return
         if self.use_breakable:
@@ -147,6 +165,7 @@ class GraphManager:
         elif self.model.__dict__.get("forward") is self._installed:
             del self.model.forward
         self._installed, self.installed = None, False
+        _INSTALLED.pop(self.model, None)
 
     def __enter__(self) -> "GraphManager":
         """`with manager.install():` (or `with manager:`) uninstalls at the end of the block."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile import ArgumentError, CaptureError, CGCompileError, Config, ConfigError
+from cgcompile import ArgumentError, CaptureError, CGCompileError, Config, ConfigError, StateError
 from cgcompile import aot_capture
 from cgcompile.inspect import summaries
 from cgcompile.testing import SILLY_OP, ToyLlama
@@ -61,6 +61,7 @@ class Row:
     hint: str = ""  # more text the message must contain (the suggestion or the fix)
     cuda: bool = False  # pretend a CUDA device is present
     env: str | None = None  # CGCOMPILE_USE_BREAKABLE for this row
+    dump_env: str | None = None  # CGCOMPILE_DUMP_DIR for this row
     calls_make_inputs: bool = False  # the failure is in what make_inputs returned
     form: bool = True  # the message reads "expected X, got Y" (False: worded outside this change)
 
@@ -189,7 +190,37 @@ ROWS = {
     "eager_break int": Row(lambda w: cgcompile.eager_break(5), ArgumentError, "eager_break", "got 5 (int)"),
     "eager_break called": Row(lambda w: cgcompile.eager_break(), ArgumentError, "eager_break", "without parentheses"),
     "inspect missing folder": Row(lambda w: summaries("/no/such/folder"), ArgumentError, "dump_dir"),
+    # what a newcomer hits
+    "backend class": Row(lambda w: torch.compile(w.model, backend=cgcompile.Backend)(torch.zeros(2, dtype=torch.long)),
+                         ArgumentError, "torch.compile: backend", "write backend=cgcompile.Backend()"),
+    "capturable sdpa": Row(lambda w: Config(capturable_split_ops=("sdpa",)), ConfigError, "capturable_split_ops",
+                           '"attention"'),
+    "inductor value type": Row(lambda w: Config(inductor_options={"max_autotune": "yes"}), ConfigError,
+                               "inductor_options['max_autotune']", "type bool"),
+    "inductor nested dict": Row(lambda w: Config(inductor_options={"triton": {"max_tiles": 2}}), ConfigError,
+                                "inductor_options", "{'triton.max_tiles': 2}"),
+    "dump_dir under a file": Row(lambda w: Config(dump_dir=__file__ + "/dump"), ConfigError, "dump_dir",
+                                "under the file"),
+    "dump_dir in /proc": Row(lambda w: Config(dump_dir="/proc/cgcompile_dump"), ConfigError, "dump_dir",
+                             "can create and write"),
+    "dump_dir env in /proc": Row(lambda w: cgcompile.Backend(), ConfigError, "CGCOMPILE_DUMP_DIR", "/proc",
+                                 dump_env="/proc/cgcompile_dump"),
+    "plan before a call": Row(lambda w: cgcompile.Backend().plan_memory(), StateError, "Backend.plan_memory",
+                              "call the compiled model once"),
+    "backend_of a model whose forward was compiled": Row(
+        lambda w: cgcompile.backend_of(_forward_compiled(w.model)), ArgumentError, "backend_of",
+        "Dynamo compiles at the first call"),
+    "two managers installed": Row(lambda w: [cgcompile.GraphManager(w.model, Config(cudagraphs=True)).install()
+                                             for _ in range(2)], StateError, "GraphManager.install",
+                                  "another manager installed on", cuda=True),
+    "uninstall before install": Row(lambda w: w.manager.uninstall(), StateError, "GraphManager.uninstall",
+                                    "call install() first"),
 }
+
+
+def _forward_compiled(model: nn.Module) -> nn.Module:
+    model.forward = torch.compile(model.forward, backend="cgcompile", options={"compiler": "eager"})
+    return model
 
 
 def _raised(row: Row, world: World) -> BaseException:
@@ -206,10 +237,13 @@ def _raised(row: Row, world: World) -> BaseException:
 def test_bad_input(name, monkeypatch):
     row = ROWS[name]
     monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
+    monkeypatch.delenv("CGCOMPILE_DUMP_DIR", raising=False)
     world = World()
     before = world.state()
     if row.env is not None:
         monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", row.env)
+    if row.dump_env is not None:
+        monkeypatch.setenv("CGCOMPILE_DUMP_DIR", row.dump_env)
     if row.cuda:
         monkeypatch.setattr(aot_capture, "cuda_present", lambda: True)
 
@@ -266,6 +300,26 @@ def test_a_huge_capture_size_costs_no_memory(largest):
         tracemalloc.stop()
     assert peak < 1 << 20, f"building the backend took {peak} bytes"
     assert backend.session.padding.padded(2) == largest
+
+
+def test_what_a_newcomer_writes_is_taken_as_meant():
+    import numpy as np
+
+    @torch.library.custom_op("cgcompile_bad_inputs::op", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    config = Config(splitting_ops=[op], capturable_split_ops=[op], capture_sizes=(np.int64(8), 4, np.int32(2), 1))
+    assert config.split_ops.extra == {"cgcompile_bad_inputs::op.default"}  # the custom_op object the user holds
+    assert config.capturable_ops.names == {"cgcompile_bad_inputs::op.default"}
+    assert config.capture_sizes == (1, 2, 4, 8) and all(type(s) is int for s in config.capture_sizes)
+
+
+def test_backend_of_a_model_whose_forward_was_compiled():
+    torch._dynamo.reset()
+    model = _forward_compiled(ToyLlama(1))
+    model(torch.zeros(2, dtype=torch.long))
+    assert cgcompile.backend_of(model) is cgcompile.backend_of(model.forward)
 
 
 def test_run_pw_graph_takes_a_tuple_a_dict_or_one_tensor():

@@ -111,3 +111,30 @@ def test_unknown_option_through_torch_compile():
         compiled(torch.ones(3))
     assert isinstance(info.value.inner_exception, ConfigError)
     assert "options: expected a Config field, got unknown 'bogus'" in str(info.value)
+
+
+def test_installed_torch_is_in_the_declared_range():
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    Requirement = pytest.importorskip("packaging.requirements").Requirement
+    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (torch_requirement,) = [Requirement(d) for d in pyproject["project"]["dependencies"] if d.startswith("torch")]
+    version = torch.__version__.split("+")[0]
+    assert torch_requirement.specifier.contains(version, prereleases=True), (version, str(torch_requirement))
+
+
+def test_each_backend_dumps_into_a_folder_of_its_own(tmp_path):
+    from cgcompile.testing import ToyLlama
+
+    for _ in range(2):
+        backend = cgcompile.Backend(Config(compiler="eager", splitting_ops=[SILLY_OP], dump_dir=str(tmp_path)))
+        torch.compile(ToyLlama(1), backend=backend)(torch.zeros(3, dtype=torch.long))
+    assert (tmp_path / "graph_0" / "summary.json").exists()  # the first Backend: DUMP_DIR itself
+    assert (tmp_path / "run_1" / "graph_0" / "summary.json").exists()  # the second: its own run folder
+    assert not (tmp_path / "graph_1").exists()
+
+
+def test_dump_dir_expands_the_home_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert Config(dump_dir="~/dump").resolved_dump_dir() == str(tmp_path / "dump")

@@ -50,7 +50,7 @@ def test_a_static_graph_is_counted_once():
 
 def test_count_before_any_call_names_the_fix():
     _, backend, _ = _compiled()
-    with pytest.raises(ArgumentError, match="count_graphs: expected .* got no Dynamo graph yet; call the compiled"):
+    with pytest.raises(cgcompile.StateError, match="Backend.plan_memory: expected .* got no Dynamo graph yet; call the"):
         backend.plan_memory()
 
 
