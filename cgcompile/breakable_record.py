@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .breakable_signature import Signature, StaticTensor, flatten_call, is_flat, unflatten_call
 from .errors import CaptureError, expected
+from .passes.split_rule import HOST_SYNC_ATEN_OPS
 from .split_ops import SplitOps
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,6 @@ log = logging.getLogger(__name__)
 _ACTIVE: contextvars.ContextVar["Recorder | None"] = contextvars.ContextVar("cgcompile_breakable_recorder",
                                                                             default=None)
 
-# Ops that wait for the device (their result is a host value, or its shape depends on data).
-_HOST_SYNC_OPS = frozenset({
-    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
-    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
-})
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_"})
 
 
@@ -312,7 +308,7 @@ class Recorder:
     @staticmethod
     def _syncs_with_host(func, tensors: list[torch.Tensor], kwargs: dict) -> bool:
         name = getattr(getattr(func, "_schema", None), "name", "")
-        if name in _HOST_SYNC_OPS:
+        if name in HOST_SYNC_ATEN_OPS:
             return True
         if name in _COPY_OPS:
             devices = {t.device.type for t in tensors}

@@ -58,7 +58,12 @@ _IN_PLACE_OPERATORS = frozenset({
 })
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
 _HOST_SYNC_FUNCTIONS = frozenset({torch.nonzero, torch.Tensor.item, torch.Tensor.tolist})
-_HOST_SYNC_ATEN = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"})
+# Aten ops that wait for the device (their result is a host value, or its shape depends on
+# data): the split rule's host_sync, and what the breakable recorder breaks at.
+HOST_SYNC_ATEN_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+})
 _FROM_HOST_DATA_FUNCTIONS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
 _FROM_HOST_DATA_METHODS = frozenset({"new_tensor"})
 
@@ -131,7 +136,7 @@ def _host_sync(node: Node) -> str | None:
         if node.target in _HOST_SYNC_FUNCTIONS:
             return f"{node.target.__name__} copies device data to the host"
         name = getattr(getattr(node.target, "_schema", None), "name", None)
-        if name in _HOST_SYNC_ATEN:
+        if name in HOST_SYNC_ATEN_OPS:
             return f"{name} copies device data to the host"
     return None
 
