@@ -22,12 +22,12 @@ from .piece import BackendStats, Piece
 from .piece_compiler import PieceCompiler, describe_input
 from .passes import (
     CaptureDim,
-    PaddingHazard,
     SplitGraph,
     classify_nodes,
     example_value,
     find_capture_dim,
     find_padding_hazards,
+    find_state_hazards,
     fold_grouped_query_attention,
     fuse_sibling_linears,
     hoist_mask_conversion,
@@ -301,7 +301,7 @@ class Backend:
         symbol = analysis.capture_dim.symbol if analysis.capture_dim else None
         hazards = {
             spec.name: (*find_padding_hazards(spec.graph, symbol).values(),
-                        *_state_hazards(spec, symbol, analysis.static_inputs))
+                        *find_state_hazards(spec.inputs, symbol, analysis.static_inputs))
             for spec in split.pieces if spec.capturable
         }
         hazards = {name: h for name, h in hazards.items() if h}
@@ -612,21 +612,6 @@ def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
     return Piece(
         f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
         padding_unsafe=padding, sizes=sizing.why,
-    )
-
-
-def _state_hazards(spec, symbol, static_inputs: frozenset[str]) -> tuple[PaddingHazard, ...]:
-    """Parameters and buffers sized by the capture dimension (a recurrent layer's state held
-    by the module, marked static): pieces read them in place, so they are never padded
-    while the rows around them are."""
-    if symbol is None:
-        return ()
-    return tuple(
-        PaddingHazard(node.name, f"module state {tuple(example_value(node).shape)} is sized by the capture "
-                                 f"dimension {symbol} and read in place, so it cannot be padded")
-        for node in spec.inputs
-        if node.op == "placeholder" and node.name in static_inputs and isinstance(example_value(node), torch.Tensor)
-        and any(isinstance(d, torch.SymInt) and symbol in d.node.expr.free_symbols for d in example_value(node).shape)
     )
 
 

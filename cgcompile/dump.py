@@ -122,25 +122,22 @@ def claim_run_folder(dump_dir: str) -> str:
                 return dump_dir
         except FileExistsError:
             pass
-    n = 1
-    while True:
-        try:
-            folder = os.path.join(dump_dir, f"run_{n}")
-            os.mkdir(folder)
-            return folder
-        except FileExistsError:
-            n += 1
+    return _first_free_folder(dump_dir, "run", 1)
 
 
 def _new_folder(dump_dir: str, graph_index: int) -> str:
     """graph_<k> for the first k >= graph_index not taken yet (only a Backend's own graphs
     are dumped in its folder, so k is graph_index but for a dump from before the marker)."""
     os.makedirs(dump_dir, exist_ok=True)
-    k = graph_index
+    return _first_free_folder(dump_dir, "graph", graph_index)
+
+
+def _first_free_folder(parent: str, prefix: str, k: int) -> str:
+    """Make and return parent/<prefix>_<k> for the first free k from `k` on (atomic: mkdir)."""
     while True:
         try:
-            folder = os.path.join(dump_dir, f"graph_{k}")
-            os.makedirs(folder)
+            folder = os.path.join(parent, f"{prefix}_{k}")
+            os.mkdir(folder)
             return folder
         except FileExistsError:
             k += 1

@@ -94,7 +94,8 @@ def _narrow(t: torch.Tensor, dims: tuple[int, ...], n: int) -> torch.Tensor:
     return t
 
 
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...] = (), n: int | None = None) -> None:
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...] = (), n: int | None = None,
+              repeated: tuple[int, ...] | None = None) -> None:
     """Write `src` (n rows along `dims`) into the first n rows of `dst`, the one way every
     padded input is filled: by a graph's replay, its capture and the padded CPU run alike.
 
@@ -102,14 +103,19 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...] = (), 
     broadcast such as RoPE's `inv_freq[None, :, None].expand(B, -1, 1)`). Such a dim holds
     one value whatever its size, so only its first element is written (a write through a
     repeated element is refused), and its padding rows read that same value, harmless
-    where padding is safe at all: padded rows never reach a real one.
+    where padding is safe at all: padded rows never reach a real one. `repeated`: those
+    dims, when the caller knows them already (a replay, every step).
     """
     if n is not None:
         dst = _narrow(dst, dims, n)
-    for d in range(dst.dim()):
-        if dst.stride(d) == 0 and dst.shape[d] > 1:
-            dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
+    for d in repeated_dims(dst) if repeated is None else repeated:
+        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
     dst.copy_(src)
+
+
+def repeated_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """Dims along which `t` repeats one element (stride 0, more than one element)."""
+    return tuple(d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1)
 
 
 def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[int, ...]:
@@ -127,6 +133,7 @@ class _CopyIn:
     address: tuple[int, tuple[int, ...]]  # (data_ptr, stride) of the graph's buffer
     buffer: torch.Tensor  # non-owning alias of that buffer
     dims: tuple[int, ...]  # dims equal to the capture size: padded, and zeroed past n
+    repeated: tuple[int, ...]  # dims the buffer repeats one element along (stride 0): see copy_rows
 
 
 @dataclasses.dataclass
@@ -189,9 +196,9 @@ class CudaGraphPiece(PieceRunner):
             if arg.data_ptr() != copy.address[0] or arg.stride() != copy.address[1]:
                 if n != size and copy.dims:
                     copy.buffer.zero_()
-                    copy_rows(copy.buffer, arg, copy.dims, n)
+                    copy_rows(copy.buffer, arg, copy.dims, n, copy.repeated)
                 else:
-                    copy_rows(copy.buffer, arg)
+                    copy_rows(copy.buffer, arg, repeated=copy.repeated)
         if self.session.check_addresses:
             self._check_addresses(entry, args)
         entry.graph.replay()
@@ -275,7 +282,8 @@ class CudaGraphPiece(PieceRunner):
         outputs = tuple(outputs)
         addresses = [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args]
         copies = tuple(
-            _CopyIn(i, addresses[i], weak_alias(static_args[i]), self.layout.input_dims[i])
+            _CopyIn(i, addresses[i], weak_alias(static_args[i]), self.layout.input_dims[i],
+                    repeated_dims(static_args[i]))
             for i in self._copy_inputs if isinstance(static_args[i], torch.Tensor)
         )
         entry = _Graph(graph, copies, addresses, tuple(weak_alias(o) for o in outputs))

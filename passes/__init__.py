@@ -13,7 +13,7 @@ from .full_graph_plan import FullGraphPlan, plan_full_graph
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import example_value, tensors_in, values_sharing_memory
 from .grouped_query import fold_grouped_query_attention
-from .padding_safety import PaddingHazard, find_padding_hazards
+from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
@@ -31,6 +31,7 @@ __all__ = [
     "example_value",
     "find_capture_dim",
     "find_padding_hazards",
+    "find_state_hazards",
     "fold_grouped_query_attention",
     "fuse_sibling_linears",
     "hoist_mask_conversion",

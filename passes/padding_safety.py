@@ -68,6 +68,22 @@ def find_padding_hazards(gm: GraphModule, symbol: sympy.Symbol | None) -> dict[N
     return hazards
 
 
+def find_state_hazards(inputs: list[Node], symbol: sympy.Symbol | None,
+                       static_inputs: frozenset[str]) -> tuple[PaddingHazard, ...]:
+    """Parameters and buffers among a piece's `inputs` sized by the capture dimension (a
+    recurrent layer's state held by the module, marked static): a graph reads them in
+    place, so they are never padded while the rows around them are."""
+    if symbol is None:
+        return ()
+    return tuple(
+        PaddingHazard(node.name, f"module state {_shape(example_value(node))} is sized by the capture "
+                                 f"dimension {symbol} and read in place, so it cannot be padded")
+        for node in inputs
+        if node.op == "placeholder" and node.name in static_inputs
+        and isinstance(example_value(node), torch.Tensor) and _mentions(example_value(node), symbol)
+    )
+
+
 # -- the rule ----------------------------------------------------------------------------
 
 
