@@ -16,7 +16,7 @@ Variants, each on the decode model of decode_model.py with random weights:
                     the same with that attention compiled as batched matmuls over the keys
                     (Config.small_query_attention; CUDA only)
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
-                    (cgcompile.pipeline.ring_schedule): tokens/s at batch 64
+                    (cgcompile.parallel.pipeline.ring_schedule): tokens/s at batch 64
     pp2-eager       the same stages, eager
     single          tp1-cgcompile's throughput at batch 64 (tokens/s = 64 / step time)
     all-reduce      a TP step's 64 all-reduces of [batch, hidden] alone, captured in one CUDA
@@ -52,8 +52,8 @@ from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, Mo
                                      StaticMaskDecoder, use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
 from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
-from cgcompile.distributed import prepare_collectives, torchrun_worker  # noqa: E402
-from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker  # noqa: E402
+from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
 FILL = 256

@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTModel
 
 import cgcompile
 import harness  # benchmarks/harness.py: the method every benchmark here shares
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 MIB = 1024 * 1024
 IMAGE_SIZES = (1, 2, 4, 8, 16, 32)

@@ -19,7 +19,7 @@ import torch
 
 from .capture import CaptureSession, Mode
 from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
-from .pool import GraphPool
+from .capture import GraphPool
 
 log = logging.getLogger(__name__)
 

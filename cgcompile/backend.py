@@ -10,16 +10,20 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from . import dump
-from .compat import is_static_address
+from .buffers import SizePolicy, StepSize, TracedLayout
+from .compat import is_static_address, torch_compile_call_of, torch_compile_call_on_stack
 from .config import Config, as_config
-from .errors import ArgumentError, ConfigError, StateError, expected
-from .piece import BackendStats, Piece
-from .piece_compiler import PieceCompiler, describe_input
+from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
+from .full_graph import EagerPieceCompiles, FullGraph, FullGraphCode, plain_function
+from .weights import FusedWeights, ParameterAddresses, has_address
+from .stats import BackendStats, Piece
+from .compiler import PieceCompiler, describe_input
 from .passes import (
     CaptureDim,
     SplitGraph,
@@ -46,17 +50,9 @@ from .aot_capture import (
     requested_sizes,
 )
 from .capture import CaptureSession
-from .compile_scope import backend_for_this_compile
 from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
-from .errors import CaptureError, expect
-from .capture_recovery import find_uncapturable_node, split_at_node
-from .full_graph import FullGraph, plain_function
-from .full_graph_code import EagerPieceCompiles, FullGraphCode
-from .fused_weights import FusedWeights
-from .parameter_addresses import ParameterAddresses, has_address
+from .recovery import find_uncapturable_node, split_at_node
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
-from .layout import TracedLayout
-from .padding import SizePolicy, StepSize
 from .runtime import CallSizing, GraphRuntime, OutputCopy, PieceRunner
 
 log = logging.getLogger(__name__)
@@ -662,6 +658,91 @@ def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: d
     """Entry point for `torch.compile(model, backend="cgcompile", options={...})`.
 
     Every graph of one torch.compile call goes to one Backend (one pool, one compile
-    cache; see `cgcompile.compile_scope`); `cgcompile.backend_of(compiled)` returns it.
+    cache; see `cgcompile.backend`); `cgcompile.backend_of(compiled)` returns it.
     """
     return backend_for_this_compile(options)(gm, example_inputs)
+
+
+# --------------------------------------------------------------------------------------
+# One Backend per `torch.compile(..., backend="cgcompile")` call, shared by all its graphs.
+#
+# Dynamo calls a string backend once per graph it captures: the prefill and decode graphs
+# of a transformers model, each resume after a graph break, each recompilation. No
+# argument says which `torch.compile` call a graph belongs to, but torch.compile builds
+# one small object per call (it holds the backend name and `options`) and every graph of
+# that call reaches the backend through it. That object is the scope here: the first
+# graph of a call builds a `Backend` from the call's `options`, later graphs of the same
+# call reuse it, so they share one graph pool, one capture session and one compile cache.
+#
+# Scope, exactly: one `torch.compile(...)` call (or `module.compile(...)`), whatever it
+# compiled: a module, a function, with any number of graphs. Two calls never share a
+# Backend; but where Dynamo finds code it compiled for an equal call (same function,
+# backend name and options) it runs that code, whose graphs belong to the earlier call's
+# Backend. The Backend lives as long as that call's object, i.e. as long as
+# what torch.compile returned. Where the object cannot be found (a torch that calls
+# backends another way, or the backend function called directly), each graph gets a
+# Backend of its own, which is safe (separate pools), only larger; that is logged once.
+
+
+log = logging.getLogger(__name__)
+
+# id(per-call object) -> its Backend; an entry leaves with the object (weakref.finalize).
+_BACKENDS: dict[int, Any] = {}
+_warned_unscoped = False
+
+
+def backend_for_this_compile(options: dict | None):
+    """The Backend of the torch.compile call whose graph is being compiled now."""
+    # backend.py imports this module for its entry point
+
+    call = torch_compile_call_on_stack()
+    if call is None:
+        _warn_unscoped()
+        return Backend(Config.from_options(options))
+    backend = _BACKENDS.get(id(call))
+    if backend is None:
+        backend = Backend(Config.from_options(options))
+        _BACKENDS[id(call)] = backend
+        weakref.finalize(call, _BACKENDS.pop, id(call), None)
+    return backend
+
+
+def backend_of(compiled: Any):
+    """The Backend that `torch.compile(model, backend="cgcompile")` built for `compiled`
+    (what torch.compile returned, or a module compiled with `module.compile(...)`).
+
+    Raises ArgumentError when `compiled` was not compiled with the string backend or has
+    not been called yet (Dynamo compiles on the first call, and the Backend with it).
+    """
+    backend = _backend_behind(compiled)
+    forward = getattr(compiled, "__dict__", {}).get("forward")  # model.forward = torch.compile(model.forward)
+    if backend is None and forward is not None:
+        backend = _backend_behind(forward)
+    if backend is None:
+        raise ArgumentError(expected(
+            "backend_of", "what torch.compile(..., backend='cgcompile') returned, called at least once",
+            compiled, _advice(compiled if forward is None else forward)))
+    return backend
+
+
+def _backend_behind(compiled: Any):
+    call = torch_compile_call_of(compiled)
+    return _BACKENDS.get(id(call)) if call is not None else None
+
+
+def _advice(compiled: Any) -> str:
+    call = torch_compile_call_of(compiled)
+    if call is None:
+        return "call it once first; or pass backend=cgcompile.Backend(config) and keep that object"
+    if getattr(call, "compiler_name", "cgcompile") != "cgcompile":
+        return ("it was compiled with a Backend object: keep that object and use it "
+                "(a GraphManager's is GraphManager.backend)")
+    return "call it once first (Dynamo compiles at the first call)"
+
+
+def _warn_unscoped() -> None:
+    global _warned_unscoped
+    if not _warned_unscoped:
+        _warned_unscoped = True
+        log.warning("cgcompile: the string backend was called outside torch.compile's per-call "
+                    "wrapper; each graph gets its own Backend (own pool and compile cache)")

@@ -14,13 +14,6 @@ def cudagraph_unsafe_tag():
     return getattr(torch.Tag, "cudagraph_unsafe", None)
 
 
-def free_symbols(value) -> set:
-    """Sympy symbols that a fake tensor's sizes/strides or a SymInt depend on."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
-
-    return set(_free_symbols(value))
-
-
 def is_static_address(tensor) -> bool:
     """True for the tensors Dynamo marks as living at a fixed address (parameters, buffers)."""
     from torch._dynamo.utils import get_static_address_type
@@ -110,25 +103,6 @@ def allocate_in_pool(pool, allocate):
         return allocate(), use
     finally:
         torch._C._cuda_endAllocateToPool(device, pool)
-
-
-def process_group_backend(group_name: str, device_type: str) -> str | None:
-    """The backend ("nccl", "gloo") that the process group a functional collective names
-    uses for `device_type`, or None when torch.distributed cannot resolve it."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        group = _resolve_process_group(group_name)
-    except (RuntimeError, ValueError, KeyError):
-        return None
-    for entry in dist.get_backend_config(group).split(","):
-        kind, _, name = entry.partition(":")
-        if kind == device_type:
-            return name
-    return None
 
 
 def _torch_compile_wrapper_type():

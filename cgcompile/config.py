@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 from .errors import ConfigError, closest, expect, expected
-from .capturable_ops import CapturableOps, normalize_capturable
-from .split_ops import SplitOps, normalize_op
+from .ops import CapturableOps, normalize_capturable
+from .ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
 COMPILERS = ("eager", "inductor")
@@ -49,11 +49,11 @@ class Config:
     check_addresses: on every replay, check that inputs captured by address still live
         there, and raise naming the piece and input if not. Without it, a call whose
         parameters moved runs without graphs and graphs are captured again once the new
-        addresses settle (`cgcompile.parameter_addresses`).
+        addresses settle (`cgcompile.weights`).
     cudnn_attention: let scaled_dot_product_attention in the eager pieces use its cuDNN
         backend. Off by default: cuDNN builds a plan for every new key length (tens of
         ms each, then a host-side lookup per call), and split attention sees a new
-        length at every decode step. See `cgcompile.attention_backend`.
+        length at every decode step. See `cgcompile.ops`.
     fold_grouped_query: where a one-token query meets KV heads repeated for grouped-query
         attention (`repeat_kv`), let SDPA read the un-repeated cache instead (see
         `cgcompile.passes.grouped_query`): two copies of the cache per layer and step
@@ -64,7 +64,7 @@ class Config:
         weights (see `cgcompile.passes.sibling_linears`): at decode sizes small
         projections run far below the GPU's bandwidth, and one larger matmul does not.
         Costs memory: the concatenated weights are copies (`stats.fused_weight_bytes`),
-        kept equal to the parameters on every call (`cgcompile.fused_weights`; a write
+        kept equal to the parameters on every call (`cgcompile.weights`; a write
         through `param.data` is not seen: call `Backend.refresh_fused_weights()`).
         Results agree with eager to rounding. For inference: with grad on, parameters
         that require grad are left out.
@@ -80,7 +80,7 @@ class Config:
         graph to check, pad only with True: the user's word that rows never mix.
     capturable_split_ops: split ops that may be captured into one full graph of the whole
         Dynamo graph ("attention", op objects or "ns::op[.overload]"; see
-        `cgcompile.capturable_ops`). A call replays the full graph when every host value
+        `cgcompile.ops`). A call replays the full graph when every host value
         and every input address the split ops read equals the captured one, else it runs
         piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
     full_graph_compile: a full graph captures the whole Dynamo graph compiled by Inductor
@@ -90,7 +90,7 @@ class Config:
         With compiler="eager" beside it, that is the only compile: piecewise calls (a
         prefill) run the pieces as FX code, and the warm-up is one compile, not two.
         False: a full graph captures the pieces' own code in order, with no compile
-        beyond theirs. See `cgcompile.full_graph_code`.
+        beyond theirs. See `cgcompile.full_graph`.
     small_query_attention: in full graphs, attention calls of at most 16 query rows
         (decode) are compiled as two batched matmuls around a float32 softmax, which
         spread over the whole GPU, instead of SDPA's kernels, which walk the keys with
@@ -99,7 +99,7 @@ class Config:
         inside the whole-graph compile with full_graph_compile, else by compiling each
         eager piece that holds such a call at the shapes of its capture (identical
         layers share one compile). Piecewise calls are unchanged. Needs compiler="inductor"
-        or full_graph_compile. See `cgcompile.passes.small_query`, `cgcompile.full_graph_code`.
+        or full_graph_compile. See `cgcompile.passes.small_query`, `cgcompile.full_graph`.
     exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
         captures one set of CUDA graphs per distinct size: for each capture size, and for
         at most this many other sizes; calls of further new sizes run its pieces without
@@ -109,7 +109,7 @@ class Config:
         product at size 1); the graphs of those sizes replay the specialised code, other
         sizes the general compile. Each adds one compile per distinct piece, at the first
         call of that size (counted in `stats.specialised_compilations`, its seconds in
-        `stats.specialise_s`). See `cgcompile.size_specialise`.
+        `stats.specialise_s`). See `cgcompile.compiler`.
     inductor_options: Inductor config patches for every compile of a piece, as a dict
         (e.g. {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs.
         Warm-up cost: coordinate_descent_tuning benchmarks tile sizes of every kernel

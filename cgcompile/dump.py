@@ -20,7 +20,7 @@ import os
 from torch._dynamo.utils import lazy_format_graph_code
 
 from .errors import ArgumentError, expect, expected
-from .piece import Piece
+from .stats import Piece
 
 SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")  # reason: eager, or unsafe to pad
 

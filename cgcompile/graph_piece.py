@@ -27,8 +27,8 @@ import torch
 
 from .capture import CaptureSession, Mode, output_key, weak_alias
 from .errors import CaptureError
-from .layout import TracedLayout
-from .padding import StepSize
+from .buffers import TracedLayout
+from .buffers import StepSize
 from .passes import example_value, written_inputs
 from .runtime import PieceRunner
 

@@ -9,7 +9,7 @@ when both are used, capture into the manager's one pool.
 `install()` routes the model's own calls (`model(...)`, `model.generate(...)`) through the
 chosen path until `uninstall()`: the compiled path compiles `model.forward`; the breakable
 path installs its runners (`breakable_path`). For a framework's models the breakable path
-comes from its integration (`cgcompile.integrations`): transformers models get a runner
+comes from its integration (`cgcompile.breakable.integrations`): transformers models get a runner
 per decoder layer, with the cache update and attention as eager steps.
 """
 
@@ -33,13 +33,13 @@ from .aot_capture import (
     requested_sizes,
 )
 from .backend import Backend
-from .boundary import resolve_boundary
-from .breakable_path import BreakablePath, boundary_path
-from .breakable_segments import SEGMENT_KINDS
+from .breakable.boundary import resolve_boundary
+from .breakable.path import BreakablePath, boundary_path
+from .breakable.segments import SEGMENT_KINDS
 from .capture import CaptureSession
 from .config import Config, as_config
 from .errors import ArgumentError, StateError, expect, expected
-from .integrations import integration_for
+from .breakable.integrations import integration_for
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from .attention_backend import call_without_cudnn_attention
-from .layout import overlaps
-from .padding import SizePolicy, StepSize
+from .ops import call_without_cudnn_attention
+from .buffers import overlaps
+from .buffers import SizePolicy, StepSize
 
 
 class PieceRunner(torch.nn.Module):
@@ -117,7 +117,7 @@ class GraphRuntime:
     clone_outputs: graph outputs that are CUDA graph static buffers; they are copied
     before returning so a later call cannot overwrite what the caller holds.
     cudnn_attention: False runs every call with SDPA's cuDNN backend off (see
-    `cgcompile.attention_backend`).
+    `cgcompile.ops`).
     sizing: how a call's size is read and which size its pieces run at (None: a static
     graph, whose pieces always run at the one size they were traced with).
     """

@@ -6,7 +6,7 @@ in flight; the tokens are compared with a single-process eager run.
 
 Stage 0 embeds and runs the first half of the layers, stage 1 the rest and picks the next
 tokens, which go back to stage 0 (a ring). While stage 1 works on one micro-batch, stage 0
-works on the other (`cgcompile.pipeline.ring_schedule`). What crosses each boundary is a
+works on the other (`cgcompile.parallel.pipeline.ring_schedule`). What crosses each boundary is a
 named set of tensors received into persistent buffers that the graphs read in place.
 """
 # cgcompile-example: needs-torchrun
@@ -23,8 +23,8 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import StageDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.distributed import torchrun_worker  # noqa: E402
-from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+from cgcompile.parallel.distributed import torchrun_worker  # noqa: E402
+from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 
 FILL = 8  # cache positions filled before decoding (the "prompt")
 

@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 import cgcompile  # noqa: E402
 from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
 from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.distributed import check_same_rows, prepare_collectives, torchrun_worker  # noqa: E402
+from cgcompile.parallel.distributed import check_same_rows, prepare_collectives, torchrun_worker  # noqa: E402
 
 FILL = 8
 

@@ -13,7 +13,7 @@ import torch
 
 import cgcompile
 from cgcompile.dump import format_summary, summarize
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 
 def main() -> None:

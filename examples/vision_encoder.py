@@ -19,7 +19,7 @@ import torch
 from transformers import ViTConfig, ViTModel
 
 import cgcompile
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 MIB = 1024 * 1024
 IMAGE_SIZES = (1, 2, 4, 8, 16, 32)  # capture sizes of the encoder: images per call

@@ -1,7 +1,8 @@
 """Pure FX passes of cgcompile: classify nodes, choose the capture dimension, split,
 and prove padding safe.
 
-No CUDA and no runtime state here: every pass takes a graph and returns data. The
+No CUDA, no runtime state and no import of the library here: every pass takes a graph
+and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
 (`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`), which
 run with the graph.
@@ -11,7 +12,7 @@ Shipped as `cgcompile.passes`.
 from .attention_mask import hoist_mask_conversion
 from .full_graph_plan import FullGraphPlan, plan_full_graph
 from .capture_dim import CaptureDim, find_capture_dim, input_name
-from .graph_values import example_value, tensors_in, values_sharing_memory
+from .graph_values import example_value, free_symbols, tensors_in, values_sharing_memory
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
@@ -33,6 +34,7 @@ __all__ = [
     "find_padding_hazards",
     "find_state_hazards",
     "fold_grouped_query_attention",
+    "free_symbols",
     "fuse_sibling_linears",
     "hoist_mask_conversion",
     "input_name",

@@ -35,8 +35,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from ..compat import free_symbols
-from .graph_values import example_value
+from .graph_values import example_value, free_symbols
 from .split import SplitGraph
 from .split_rule import _mutated_arg, _view_base, _view_parent
 

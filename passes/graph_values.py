@@ -10,6 +10,14 @@ from torch.fx import Node
 
 _SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)
 
+def free_symbols(value) -> set:
+    """Sympy symbols that a fake tensor's sizes/strides or a SymInt depend on."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols
+
+    return set(_free_symbols(value))
+
+
+
 # Ops that only reinterpret their input's metadata: a piece of nothing but these
 # launches no kernel, so capturing it buys nothing.
 VIEW_METHODS = frozenset(

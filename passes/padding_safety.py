@@ -502,7 +502,7 @@ _ROW_WISE = frozenset({
     "full_like", "zeros", "ones", "empty", "full", "arange", "size", "dim",
     # Tensor-parallel collectives: row i of the result reduces row i of every rank's input,
     # and the ranks of a group run the same batch, so pad to the same size: padding rows
-    # only ever meet padding rows (`cgcompile.distributed.check_same_rows` checks it).
+    # only ever meet padding rows (`cgcompile.parallel.distributed.check_same_rows` checks it).
     "_c10d_functional::all_reduce", "_c10d_functional::all_reduce_", "_c10d_functional::wait_tensor",
 })
 _METADATA_ONLY = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "size", "dim"})

@@ -29,8 +29,7 @@ import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..compat import free_symbols
-from .graph_values import example_value, is_view_op
+from .graph_values import example_value, free_symbols, is_view_op
 from .split_rule import SplitReason, is_floating
 
 

@@ -36,8 +36,7 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from ..compat import free_symbols, process_group_backend
-from .graph_values import example_value, is_size_value, may_alias_first_input, tensors_in
+from .graph_values import example_value, free_symbols, is_size_value, may_alias_first_input, tensors_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,3 +376,22 @@ def _indexes_by_tensor(index) -> bool:
 def _is_tuple_of_views(node: Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
     return node.op in ("call_method", "call_function") and name in _TUPLE_OF_VIEWS
+
+
+def process_group_backend(group_name: str, device_type: str) -> str | None:
+    """The backend ("nccl", "gloo") that the process group a functional collective names
+    uses for `device_type`, or None when torch.distributed cannot resolve it."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        group = _resolve_process_group(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    for entry in dist.get_backend_config(group).split(","):
+        kind, _, name = entry.partition(":")
+        if kind == device_type:
+            return name
+    return None

@@ -35,7 +35,7 @@ def capture_error_in_own_process(setup: str, capture: str) -> str:
 def compiled_toy_llama(compiler: str, sizes: tuple[int, ...], n_layers: int = 3, **fields):
     """(model, backend, compiled): a seeded ToyLlama on CUDA, split at the silly op."""
     import cgcompile
-    from cgcompile.testing import SILLY_OP, ToyLlama
+    from cgcompile.testing.models import SILLY_OP, ToyLlama
 
     torch._dynamo.reset()
     torch.manual_seed(0)

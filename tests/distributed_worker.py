@@ -11,9 +11,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from cgcompile.distributed import check_same_rows  # noqa: E402
+from cgcompile.parallel.distributed import check_same_rows  # noqa: E402
 from cgcompile.errors import DistributedError  # noqa: E402
-from cgcompile.pipeline import PipelineStage, TensorSpec  # noqa: E402
+from cgcompile.parallel.pipeline import PipelineStage, TensorSpec  # noqa: E402
 
 HIDDEN = {"hidden": TensorSpec((4,), torch.float32), "residual": TensorSpec((4,), torch.float32)}
 TOKENS = {"tokens": TensorSpec((), torch.int64)}

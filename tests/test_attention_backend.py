@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.attention_backend import call_without_cudnn_attention
+from cgcompile.ops import call_without_cudnn_attention
 
 PROBE_OP = "cgcompile_tests::read_cudnn_sdp_flag"
 flags_seen: list[bool] = []

@@ -8,7 +8,7 @@ import textwrap
 import torch
 
 import cgcompile
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 BY_NAME = textwrap.dedent(
     """

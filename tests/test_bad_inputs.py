@@ -23,7 +23,7 @@ import cgcompile
 from cgcompile import ArgumentError, CaptureError, CGCompileError, Config, ConfigError, StateError
 from cgcompile import aot_capture
 from cgcompile.inspect import summaries
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 
 class World:

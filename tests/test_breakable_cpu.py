@@ -18,10 +18,10 @@ from torch import nn
 
 import cgcompile
 import cgcompile.inspect
-from cgcompile.breakable_record import EagerStep, Recorder
-from cgcompile.breakable_signature import flatten_call
+from cgcompile.breakable.record import EagerStep, Recorder
+from cgcompile.breakable.signature import flatten_call
 from cgcompile.capture import Mode
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 from breakable_models import Flip, FlipModel, RunningStat
 
@@ -413,7 +413,7 @@ class FakeSession:
 
 def test_cuda_segments_begin_where_the_last_ended_and_replay_once_after_capture():
     # What only the GPU runs, driven with a logging session: the order of the session's calls.
-    from cgcompile.breakable_segments import CudaGraphSegments
+    from cgcompile.breakable.segments import CudaGraphSegments
 
     session = FakeSession()
     model = ToyLlama(2, hidden=32, vocab=64)
@@ -431,7 +431,7 @@ def test_cuda_segments_begin_where_the_last_ended_and_replay_once_after_capture(
 
 
 def test_an_empty_cuda_segment_is_ended_without_a_replay():
-    from cgcompile.breakable_segments import CudaGraphSegments
+    from cgcompile.breakable.segments import CudaGraphSegments
 
     session = FakeSession()
     segments = CudaGraphSegments(session)

@@ -17,9 +17,9 @@ import torch
 from transformers import DynamicCache, cache_utils, modeling_utils
 
 import cgcompile
-from cgcompile.breakable_record import EagerStep
-from cgcompile.integrations import integration_for
-from cgcompile.testing import ToyLlama
+from cgcompile.breakable.record import EagerStep
+from cgcompile.breakable.integrations import integration_for
+from cgcompile.testing.models import ToyLlama
 
 from test_hf_generate import ARCHS, tiny_model
 
@@ -241,10 +241,10 @@ def test_the_manager_routes_generate_through_the_chosen_path(monkeypatch):
 
 def test_integrations_import_nothing_and_only_match_their_framework():
     assert integration_for(ToyLlama(1)) is None
-    assert integration_for(tiny_model("gpt2")).__name__ == "cgcompile.integrations.transformers"
-    code = ("import sys, cgcompile\nfrom cgcompile.testing import ToyLlama\n"
+    assert integration_for(tiny_model("gpt2")).__name__ == "cgcompile.breakable.transformers"
+    code = ("import sys, cgcompile\nimport torch\nfrom cgcompile.testing.models import ToyLlama\n"
             "m = cgcompile.GraphManager(ToyLlama(1), cgcompile.Config(use_breakable=True), segments='op_replay')\n"
-            "m.run_pw_graph(m.model, (cgcompile.testing.torch.zeros(3, dtype=cgcompile.testing.torch.long),))\n"
-            "print('transformers' in sys.modules, 'cgcompile.integrations.transformers' in sys.modules)")
+            "m.run_pw_graph(m.model, (torch.zeros(3, dtype=torch.long),))\n"
+            "print('transformers' in sys.modules, 'cgcompile.breakable.transformers' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["False", "False"], result.stderr[-2000:]

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from cgcompile.breakable_signature import (
+from cgcompile.breakable.signature import (
     MAX_GRAPHS_PER_SIZE,
     Action,
     Signature,

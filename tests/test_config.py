@@ -7,7 +7,7 @@ import torch
 
 import cgcompile
 from cgcompile import Config, ConfigError
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 
 def test_defaults():
@@ -125,7 +125,7 @@ def test_installed_torch_is_in_the_declared_range():
 
 
 def test_each_backend_dumps_into_a_folder_of_its_own(tmp_path):
-    from cgcompile.testing import ToyLlama
+    from cgcompile.testing.models import ToyLlama
 
     for _ in range(2):
         backend = cgcompile.Backend(Config(compiler="eager", splitting_ops=[SILLY_OP], dump_dir=str(tmp_path)))

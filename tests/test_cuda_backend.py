@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 from cuda_helpers import capture_error_in_own_process, compiled_toy_llama, dynamic_ids, private_pools
 
@@ -287,7 +287,7 @@ def test_a_second_instance_never_replays_the_first_ones_graphs():
     graph inputs); the graphs hold the first model's parameter addresses."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    from cgcompile.testing import ToyLlama
+    from cgcompile.testing.models import ToyLlama
 
     first, second = ToyLlama(3, hidden=64, vocab=128).cuda(), ToyLlama(3, hidden=64, vocab=128).cuda()
     backend = cgcompile.Backend(cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=SIZES))

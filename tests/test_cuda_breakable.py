@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.breakable_record import EagerStep
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.breakable.record import EagerStep
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 from breakable_models import Flip, FlipModel, RunningStat
 from cuda_helpers import capture_error_in_own_process, private_pools
@@ -249,7 +249,7 @@ def test_a_module_that_starts_with_a_break_captures_into_a_live_pool(tail):
 
 
 _FORKS_BEFORE_A_BREAK = """
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 class Forks(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cgcompile.size_specialise import SizeSpecialised
+from cgcompile.compiler import SizeSpecialised
 
 from cuda_helpers import compiled_toy_llama, dynamic_ids
 

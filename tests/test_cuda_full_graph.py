@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.testing import HOST_SCALE_OP, StaticCacheDecoder
+from cgcompile.testing.models import HOST_SCALE_OP, StaticCacheDecoder
 from test_full_graph import FULL, HOST_REASON, HostScaled, check_fresh_inputs, interleaved_calls, run_calls
 from test_hf_full_graph import NEW_TOKENS, check_decode_graph_calls, generate, tiny_llama
 

@@ -7,7 +7,7 @@ from torch import nn
 from transformers import ViTConfig, ViTModel
 
 import cgcompile
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 from cuda_helpers import private_pools
 

@@ -15,7 +15,7 @@ import torch
 import cgcompile
 from cgcompile.capture import CaptureSession
 from cgcompile.errors import DistributedError
-from cgcompile.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
+from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -102,7 +102,7 @@ def test_a_registered_buffer_and_its_leading_slices_are_read_in_place():
 
 
 def run_under_deadline(body: str) -> subprocess.CompletedProcess:
-    code = ("import time\nfrom cgcompile.distributed import teardown_deadline\n"
+    code = ("import time\nfrom cgcompile.parallel.distributed import teardown_deadline\n"
             f"with teardown_deadline(0.5, 'rank 1'):\n    {body}\ntime.sleep(1.5)\nprint('exited normally')")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 

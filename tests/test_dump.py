@@ -11,7 +11,7 @@ import torch
 
 import cgcompile
 from cgcompile import dump
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 
 def compile_toy(dump_dir=None):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgcompile
-from cgcompile.testing import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
+from cgcompile.testing.models import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
 
 FULL = cgcompile.Config(compiler="eager", capturable_split_ops=("attention",))
 HOST_REASON = "a host-side input differs from the captured one"
@@ -356,7 +356,7 @@ def _counting_compile(monkeypatch) -> list:
         compiled.append([a for a in args if not isinstance(a, torch.Tensor)])
         return lambda *a: gm(*a)
 
-    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", compile_as_fx)
+    monkeypatch.setattr("cgcompile.full_graph.inductor_compile", compile_as_fx)
     return compiled
 
 
@@ -384,7 +384,7 @@ def test_a_failed_whole_graph_compile_captures_the_pieces_code(monkeypatch, capl
     def fail(gm, args, options):
         raise RuntimeError("no lowering for this op")
 
-    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", fail)
+    monkeypatch.setattr("cgcompile.full_graph.inductor_compile", fail)
     caplog.set_level(logging.WARNING, logger="cgcompile")
     torch.manual_seed(0)
     model = StaticCacheDecoder().eval()
@@ -404,7 +404,7 @@ def test_full_graph_compile_beside_eager_pieces_is_the_only_compile(monkeypatch)
     compile made, at the first capture of the decode size."""
     compiled = _counting_compile(monkeypatch)
     piece_compiles = []
-    monkeypatch.setattr("cgcompile.piece_compiler.inductor_compile", lambda *a: piece_compiles.append(a))
+    monkeypatch.setattr("cgcompile.compiler.inductor_compile", lambda *a: piece_compiles.append(a))
     model = StaticCacheDecoder().eval()
     eager = decode_steps(copy.deepcopy(model), 4)
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",),

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from cgcompile import fuzz
-from cgcompile.fuzz_grammar import MODES, N
+from cgcompile.testing import fuzz
+from cgcompile.testing.grammar import MODES, N
 
 STATE = {p.name for p in fuzz.PRODUCTIONS if p.family == "state"}
 SEQUENCE = fuzz.Setup("eager", "cpu", padding=True, sequence=fuzz.SEQUENCE_LENGTH)

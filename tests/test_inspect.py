@@ -8,7 +8,7 @@ import torch
 import cgcompile
 from cgcompile import MemoryPlan, SizePlan, inspect
 from cgcompile.memory_plan import write_plan
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 ATTENTION_REASON = "attn: scaled_dot_product_attention is split by default (attention) [split_op]"
 CACHE_REASON = "keys: output shape (1, 2, s5 + 1, 32) depends on the dynamic size s5 [dynamic_shape]"

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.boundary import resolve_boundary
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.breakable.boundary import resolve_boundary
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 
 class Stack(nn.Module):

@@ -10,8 +10,8 @@ import torch
 import cgcompile
 from cgcompile import ArgumentError, Config, MemoryPlan, SizePlan
 from cgcompile.memory_plan import fitting_sizes, format_plan, read_plans, write_plan
-from cgcompile.padding import PaddingTable
-from cgcompile.testing import SILLY_OP, ToyLlama
+from cgcompile.buffers import PaddingTable
+from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 SIZES = (2, 4, 8)
 

@@ -14,7 +14,7 @@ from torch import nn
 import cgcompile
 from cgcompile.passes import example_value, values_sharing_memory
 from cgcompile.runtime import copy_with_strides
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 
 class KeepsAWindow(nn.Module):

@@ -14,9 +14,9 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 import cgcompile
-from cgcompile import fuzz
+from cgcompile.testing import fuzz
 from cgcompile.compat import fresh_inductor_cache
-from cgcompile.fuzz_grammar import LAYOUTS, MODES, N, Program
+from cgcompile.testing.grammar import LAYOUTS, MODES, N, Program
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU")])]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import cgcompile
 from cgcompile.passes import find_capture_dim, find_padding_hazards
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 W = torch.randn(8, 8)
 TABLE = torch.randn(100, 8)
@@ -156,7 +156,7 @@ def test_exact_size_limit_runs_new_sizes_without_graphs(caplog):
 def test_exact_sizes_always_admit_the_capture_sizes():
     # Ahead-of-time capture goes largest first: with the capture sizes counted against the
     # limit, the smallest (decode's) were left without graphs.
-    from cgcompile.padding import PaddingTable, SizePolicy
+    from cgcompile.buffers import PaddingTable, SizePolicy
 
     sizes = cgcompile.Config().capture_sizes
     policy = SizePolicy(PaddingTable(sizes), exact=True, limit=2, name="g")

@@ -11,7 +11,7 @@ from cgcompile.errors import ConfigError
 from cgcompile.passes import lower_small_query_attention
 from cgcompile.passes.small_query import grouped_small_query_attention, small_query_attention
 from cgcompile.passes.sdpa import grouped_query_attention
-from cgcompile.testing import StaticCacheDecoder
+from cgcompile.testing.models import StaticCacheDecoder
 
 
 def repeated(x, groups):  # [B, Hk, L, D] -> [B, Hk*G, L, D], each key head G times in a row
@@ -161,7 +161,7 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole, compiler):
 
 
 def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
-    from cgcompile.full_graph_code import EagerPieceCompiles
+    from cgcompile.full_graph import EagerPieceCompiles
 
     compiled = []
 
@@ -169,7 +169,7 @@ def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
         compiled.append(tuple(a.shape for a in args))
         return gm
 
-    monkeypatch.setattr("cgcompile.full_graph_code.inductor_compile", compile_as_fx)
+    monkeypatch.setattr("cgcompile.full_graph.inductor_compile", compile_as_fx)
     mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 32, 8), torch.randn(1, 4, 32, 8)
     compiles = EagerPieceCompiles({}, cudnn_attention=True)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.testing import SILLY_OP, ToyLayer, ToyLlama
+from cgcompile.testing.models import SILLY_OP, ToyLayer, ToyLlama
 
 silly = torch.ops.cgcompile_testing.silly_attention
 

@@ -5,7 +5,7 @@ import logging
 import torch
 
 import cgcompile
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 silly = torch.ops.cgcompile_testing.silly_attention
 

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import cgcompile
-from cgcompile.capture_recovery import Uncapturable, split_at_node
+from cgcompile.recovery import Uncapturable, split_at_node
 from cgcompile.passes import SplitReason, example_value, split_graph
-from cgcompile.testing import SILLY_OP
+from cgcompile.testing.models import SILLY_OP
 
 silly = torch.ops.cgcompile_testing.silly_attention
 

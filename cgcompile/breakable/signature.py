@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .capture import Mode
+from ..capture import Mode
 
 log = logging.getLogger(__name__)
 

@@ -895,7 +895,7 @@ def rotary(g):
     g.define(f"{v} * torch.cos({angle}) + {v}.flip(-1) * torch.sin({angle})", v.shape)
 
 
-# custom split ops (cgcompile.testing)
+# custom split ops (cgcompile.testing.models)
 
 
 OPS = "torch.ops.cgcompile_testing"
@@ -1071,7 +1071,7 @@ def _tuple_source(items) -> str:
 
 HEADER = (
     "import torch\nimport torch.nn.functional as F\n\n"
-    "import cgcompile\nimport cgcompile.testing  # registers the split ops\n\n\n"
+    "import cgcompile\nimport cgcompile.testing.models  # registers the split ops\n\n\n"
 )
 
 

@@ -46,9 +46,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .compat import allocate_in_pool
+from ..compat import allocate_in_pool
 from .distributed import check_backend, prepare_collectives, rank_name, require_group
-from .errors import ArgumentError, DistributedError, expect
+from ..errors import ArgumentError, DistributedError, expect
 
 log = logging.getLogger(__name__)
 

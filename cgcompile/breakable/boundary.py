@@ -13,7 +13,7 @@ import logging
 
 from torch import nn
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -62,6 +62,6 @@ class BackendStats:
     fused_weight_refreshes: int = 0
     # Calls whose parameters or buffers were not where the captured pieces read them (a
     # second instance of the model's class, replaced weights): run without graphs; and
-    # recaptures once new addresses settled (see `cgcompile.parameter_addresses`).
+    # recaptures once new addresses settled (see `cgcompile.weights`).
     calls_with_moved_parameters: int = 0
     parameter_recaptures: int = 0

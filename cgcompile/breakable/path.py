@@ -3,7 +3,7 @@
 `BreakablePath` owns the runners of one model and routes calls through them by setting
 each captured module's `forward` (an instance attribute; `uninstall` puts back what was
 there, and classes are never touched). `GraphManager` builds one: through an integration
-for a framework's models (`cgcompile.integrations`: for transformers, a runner per decoder
+for a framework's models (`cgcompile.breakable.integrations`: for transformers, a runner per decoder
 layer), else `boundary_path`: one runner on the boundary module.
 """
 
@@ -15,9 +15,9 @@ from typing import Any, Callable
 import torch
 
 from .boundary import resolve_boundary
-from .breakable import BreakableRunner
-from .capture import CaptureSession
-from .config import Config
+from .runner import BreakableRunner
+from ..capture import CaptureSession
+from ..config import Config
 
 _MISSING = object()
 

@@ -8,9 +8,10 @@ sentence saying why the target is split, or None when it can be captured.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from .compat import cudagraph_unsafe_tag
 from .errors import ConfigError
@@ -109,3 +110,80 @@ class SplitOps:
         if _has_unsafe_tag(target):
             return f"{overload} is tagged torch.Tag.cudagraph_unsafe"
         return None
+
+
+# --------------------------------------------------------------------------------------
+# Which split ops may be captured inside a full graph: `Config.capturable_split_ops`.
+#
+# A split op runs eagerly between piecewise graphs because it may depend on host-side
+# state that changes every call. Declaring it capturable is the promise that it reads
+# nothing but its arguments: no host state, no plan built outside the graph. Then a full
+# graph of the whole Dynamo graph replays it correctly whenever its arguments are the
+# graph's own: every tensor it reads is either made inside the graph or lies at the
+# address it was captured with, and every host value (a SymInt argument, a size) equals
+# the captured one. `passes.full_graph_plan` finds those arguments among the graph's
+# inputs and `cgcompile.full_graph` checks them per call; the declaration alone never
+# replays a stale value.
+#
+# Entries: an op object (`torch.ops.mylib.attention`), a qualified name "ns::op" or
+# "ns::op.overload", or "attention" for every form of scaled-dot-product attention
+# (the functions Dynamo records, their aten ops and cgcompile's grouped-query rewrite).
+
+
+ATTENTION = "attention"
+
+
+def normalize_capturable(entry: Any) -> str:
+    """"attention" for any spelling of SDPA, else the checked qualified op name."""
+    if entry == ATTENTION or entry is F.scaled_dot_product_attention:
+        return ATTENTION
+    return normalize_op(entry, "capturable_split_ops")
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturableOps:
+    """The split ops a full graph may hold. Empty (the default): no full graphs."""
+
+    names: frozenset[str] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def covers(self, target: Any) -> bool:
+        """Whether a split node calling `target` may be captured into a full graph."""
+        if ATTENTION in self.names and target in ATTENTION_FUNCTIONS:
+            return True
+        names = op_names(target)
+        if names is None:
+            return False
+        packet, overload = names
+        if ATTENTION in self.names and packet in _SDPA_ATEN_OPS:
+            return True
+        return packet in self.names or overload in self.names
+
+
+# --------------------------------------------------------------------------------------
+# Which SDPA backend the attention that cgcompile runs eagerly may use.
+#
+# SDPA's cuDNN backend builds an execution plan for every new shape and looks the plan up
+# on every call. Measured on an H100 (torch 2.11, bf16, 1.1B Llama, eager generate()):
+# 13.4 s of a first 256-token call went to SDPA, ~45-50 ms for each new key length, while
+# a later call of the same lengths took 3.7 s in all. Attention split out of the graphs
+# sees a new key length at every decode step, so by default cgcompile runs its eager pieces
+# with the cuDNN backend switched off (`Config.cudnn_attention=False`); SDPA then picks
+# among the others, which take any length with no setup. The caller's setting is
+# restored when the call returns.
+
+
+T = TypeVar("T")
+
+
+def call_without_cudnn_attention(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) with SDPA's cuDNN backend off; the global flag is restored after."""
+    if not torch._C._get_cudnn_sdp_enabled():  # already off (by the user, or an outer call)
+        return fn(*args, **kwargs)
+    torch._C._set_sdp_use_cudnn(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch._C._set_sdp_use_cudnn(True)

@@ -1,6 +1,6 @@
 """Hugging Face transformers: generate() on breakable CUDA graphs, nothing changed by the user.
 
-Imported only when transformers is (`cgcompile.integrations.integration_for`). Every line
+Imported only when transformers is (`cgcompile.breakable.integrations.integration_for`). Every line
 of cgcompile that knows about transformers is here.
 
 What runs where in a decode step:
@@ -47,10 +47,10 @@ from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from transformers import cache_utils, modeling_utils
 
-from ..boundary import layers_of, resolve_boundary
-from ..breakable import BreakableGroup, BreakableRunner
-from ..breakable_path import BreakablePath
-from ..breakable_record import note_host_read, run_as_eager_break
+from .boundary import layers_of, resolve_boundary
+from .runner import BreakableGroup, BreakableRunner
+from .path import BreakablePath
+from .record import note_host_read, run_as_eager_break
 from ..capture import CaptureSession
 from ..config import Config
 

@@ -37,8 +37,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .capture import release_all_graphs
-from .errors import DistributedError, expect
+from ..capture import release_all_graphs
+from ..errors import DistributedError, expect
 
 
 def require_group(culprit: str, group=None):
@@ -84,7 +84,7 @@ def prepare_collectives(device: torch.device | str, group=None) -> None:
     """Run one all-reduce on `device` so the group's communicator exists before any capture.
 
     Call it once on every rank after `init_process_group` and before the first compiled
-    call (`cgcompile.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
+    call (`cgcompile.parallel.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
     created NCCL communicator would be created during the first capture, which fails.
     """
     device = torch.device(device)

@@ -50,16 +50,16 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 
-from .attention_backend import call_without_cudnn_attention
-from .breakable_buffers import SharedStatics, StaticInput
-from .breakable_record import Recorder, recording, run_as_eager_break
-from .breakable_segments import SEGMENT_KINDS, observer_for, segments_for
-from .breakable_signature import Action, Signature, SignatureRule, flatten_call, unflatten_call
-from .capture import CaptureSession
-from .config import Config
-from .errors import expect
-from .padding import SizePolicy
-from .parameter_addresses import ModuleTensors, ParameterAddresses
+from ..ops import call_without_cudnn_attention
+from ..buffers import SharedStatics, StaticInput
+from .record import Recorder, recording, run_as_eager_break
+from .segments import SEGMENT_KINDS, observer_for, segments_for
+from .signature import Action, Signature, SignatureRule, flatten_call, unflatten_call
+from ..capture import CaptureSession
+from ..config import Config
+from ..errors import expect
+from ..buffers import SizePolicy
+from ..weights import ModuleTensors, ParameterAddresses
 
 log = logging.getLogger(__name__)
 
