@@ -273,9 +273,6 @@ def _format_run(run: DumpedRun, verbose: bool) -> str:
     return "\n\n".join(blocks)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 # --------------------------------------------------------------------------------------
 # `python -m cgcompile.inspect DUMP_DIR --html OUT.html`: the split as one page.
@@ -377,3 +374,7 @@ def _mib(value) -> str:
 
 def _esc(value) -> str:
     return html.escape(str(value), quote=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
