@@ -27,8 +27,9 @@ never live in a CUDA graph:
                         (module breakable_cuda_graphs), captured as its README shows; a row
                         with the reason when it is not installed
 
-The model is in decode_model.py, the variants in decode_variants.py. On CPU the CUDA
-graph variants run without graphs (the breakable ones run the decoder eagerly).
+The model is in cgcompile/testing/decode_model.py (shared with the parallel examples), the
+variants in decode_variants.py. On CPU the CUDA graph variants run without graphs (the
+breakable ones run the decoder eagerly).
 
 Usage (from the repository root, with cgcompile installed: `pip install -e . --no-deps`):
 
@@ -90,9 +91,9 @@ from typing import Callable
 
 import torch
 
+from cgcompile.testing.decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig
+from cgcompile.testing.decode_model import StaticMaskDecoder, use_length_independent_attention_kernels
 # Run as a script, so benchmarks/ is on sys.path and its sibling modules import by name.
-from decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig, StaticMaskDecoder
-from decode_model import use_length_independent_attention_kernels
 from compile_cache import fresh_compile_cache
 from decode_variants import CAPTURE_SIZES, VARIANT_NAMES, VARIANTS, Bench, DecodeInputs, Prepared
 from decode_variants import Step, Variant, capture_start, cgcompile_config

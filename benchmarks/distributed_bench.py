@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
 
-Variants, each on the decode model of decode_model.py with random weights:
+Variants, each on the decode model of cgcompile/testing/decode_model.py with random weights:
     tp2-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
                     compiled with cgcompile on both ranks: step time at batch 1, 8, 64
     tp2-eager       the same model, eager
@@ -48,12 +48,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
-                                     StaticMaskDecoder, use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
-from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker  # noqa: E402
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+from cgcompile.testing.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
+                                            StaticMaskDecoder, use_length_independent_attention_kernels)
+from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
 FILL = 256
