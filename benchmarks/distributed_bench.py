@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -182,14 +181,15 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
                     outputs = {"tokens" if rank == world - 1 else "hidden": run(x, base + step, micro * mb)}
                 received = stage.exchange(outputs, mb if tick.receive else None)
 
+        def timed_steps():  # until every rank is done
+            decode(args.steps, FILL + args.warmup)
+            harness.synchronize(device)
+            dist.barrier()
+
         decode(args.warmup, FILL)
         dist.barrier()
-        harness.synchronize(device)
-        t0 = time.perf_counter()
-        decode(args.steps, FILL + args.warmup)
-        harness.synchronize(device)
-        dist.barrier()
-        report(name, batch, tokens_per_s=batch * args.steps / (time.perf_counter() - t0))
+        seconds, _ = harness.wall_s(timed_steps, device)
+        report(name, batch, tokens_per_s=batch * args.steps / seconds)
         torch._dynamo.reset()
 
 
