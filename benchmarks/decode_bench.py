@@ -27,8 +27,9 @@ never live in a CUDA graph:
                         (module breakable_cuda_graphs), captured as its README shows; a row
                         with the reason when it is not installed
 
-The model is in decode_model.py, the variants in decode_variants.py. On CPU the CUDA
-graph variants run without graphs (the breakable ones run the decoder eagerly).
+The model is in cgcompile/testing/decode_model.py (shared with the parallel examples), the
+variants in decode_variants.py. On CPU the CUDA graph variants run without graphs (the
+breakable ones run the decoder eagerly).
 
 Usage (from the repository root, with cgcompile installed: `pip install -e . --no-deps`):
 
@@ -90,15 +91,14 @@ from typing import Callable
 
 import torch
 
+from cgcompile.testing.decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig
+from cgcompile.testing.decode_model import StaticMaskDecoder, use_length_independent_attention_kernels
 # Run as a script, so benchmarks/ is on sys.path and its sibling modules import by name.
-from decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig, StaticMaskDecoder
-from decode_model import use_length_independent_attention_kernels
-from compile_cache import fresh_compile_cache
 from decode_variants import CAPTURE_SIZES, VARIANT_NAMES, VARIANTS, Bench, DecodeInputs, Prepared
 from decode_variants import Step, Variant, capture_start, cgcompile_config
 from harness import Timing, default_out, dynamo_graph_count, environment, guarded, log, release_memory
-from harness import floor_ms, measure_peak_bandwidth, parameter_bytes, run_interleaved, synchronize, time_steps
-from harness import write_json
+from harness import floor_ms, fresh_compile_cache, measure_peak_bandwidth, parameter_bytes, run_interleaved
+from harness import time_steps, wall_s, write_json
 
 FILL_LEN = 256  # cache positions filled before any step; every step writes at >= this
 CHECK_START = FILL_LEN  # the correctness step reads exactly the shared prefix
@@ -173,17 +173,17 @@ def measure_ready(prepared: Prepared, batches, device) -> tuple[float, float | N
     Ready time is the ahead-of-time capture, where the variant has one, plus the first
     calls at every batch size (for a captured variant these are replays already).
     """
-    t0 = time.perf_counter()
     capture_s = None
     if prepared.capture is not None:
-        prepared.capture()
-        synchronize(device)
-        capture_s = time.perf_counter() - t0
+        capture_s, _ = wall_s(prepared.capture, device)
+    first_calls_s, _ = wall_s(lambda: first_calls(prepared, batches), device)
+    return (capture_s or 0.0) + first_calls_s, capture_s
+
+
+def first_calls(prepared: Prepared, batches) -> None:
     for b in batches:
         for k, start in enumerate(READY_STARTS):
             prepared.step(b, start, k)
-    synchronize(device)
-    return time.perf_counter() - t0, capture_s
 
 
 def time_window(step: Step, batch: int, steps: int, device) -> list[float]:
@@ -271,17 +271,16 @@ def memory_check(bench: Bench) -> dict:
     def make_inputs(size: int, warmup: bool):
         return bench.inputs.ids(size, 0, marked=True), MEMORY_START
 
-    t0 = time.perf_counter()
-    largest = backend.profile_capture_memory(compiled, make_inputs, sizes=(max(CAPTURE_SIZES),))
-    t1 = time.perf_counter()
-    every = backend.profile_capture_memory(compiled, make_inputs, sizes=CAPTURE_SIZES)
-    t2 = time.perf_counter()
+    largest_s, largest = wall_s(
+        lambda: backend.profile_capture_memory(compiled, make_inputs, sizes=(max(CAPTURE_SIZES),)), bench.device)
+    every_s, every = wall_s(lambda: backend.profile_capture_memory(compiled, make_inputs, sizes=CAPTURE_SIZES),
+                            bench.device)
     ratio = every.bytes / largest.bytes if largest.bytes else math.nan
     return {
         "largest_size": max(CAPTURE_SIZES), "largest_bytes": largest.bytes, "largest_graphs": largest.graphs,
         "all_sizes": list(CAPTURE_SIZES), "all_bytes": every.bytes, "all_graphs": every.graphs,
         "ratio": ratio, "target": 1.25, "passed": ratio <= 1.25,
-        "first_profile_s": t1 - t0, "all_sizes_profile_s": t2 - t1,
+        "first_profile_s": largest_s, "all_sizes_profile_s": every_s,
     }
 
 

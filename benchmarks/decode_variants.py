@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from decode_model import SPLIT_OP, DecodeState, HostLengthDecoder, HostStateDecoder, Llama, ModelConfig
-from decode_model import StateAttention, StaticMaskDecoder, state_attention
+from cgcompile.testing.decode_model import SPLIT_OP, DecodeState, HostLengthDecoder, HostStateDecoder, Llama
+from cgcompile.testing.decode_model import ModelConfig, StateAttention, StaticMaskDecoder, state_attention
 from harness import Unavailable
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64)

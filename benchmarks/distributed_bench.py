@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
 
-Variants, each on the decode model of decode_model.py with random weights:
+Variants, each on the decode model of cgcompile/testing/decode_model.py with random weights:
     tp2-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
                     compiled with cgcompile on both ranks: step time at batch 1, 8, 64
     tp2-eager       the same model, eager
@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,12 +47,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from benchmarks.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
-                                     StaticMaskDecoder, use_length_independent_attention_kernels)
 from benchmarks import harness  # noqa: E402  (the method every benchmark here shares)
-from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker  # noqa: E402
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+from cgcompile.testing.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
+                                            StaticMaskDecoder, use_length_independent_attention_kernels)
+from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
 FILL = 256
@@ -182,14 +181,15 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
                     outputs = {"tokens" if rank == world - 1 else "hidden": run(x, base + step, micro * mb)}
                 received = stage.exchange(outputs, mb if tick.receive else None)
 
+        def timed_steps():  # until every rank is done
+            decode(args.steps, FILL + args.warmup)
+            harness.synchronize(device)
+            dist.barrier()
+
         decode(args.warmup, FILL)
         dist.barrier()
-        harness.synchronize(device)
-        t0 = time.perf_counter()
-        decode(args.steps, FILL + args.warmup)
-        harness.synchronize(device)
-        dist.barrier()
-        report(name, batch, tokens_per_s=batch * args.steps / (time.perf_counter() - t0))
+        seconds, _ = harness.wall_s(timed_steps, device)
+        report(name, batch, tokens_per_s=batch * args.steps / seconds)
         torch._dynamo.reset()
 
 

@@ -1,7 +1,9 @@
 """The benchmark method, once: every benchmark here times its variants with these helpers.
 
     timing      `time_steps` times one window of steps: CUDA events around each step on a
-                GPU, the host clock elsewhere, after untimed warm-up steps.
+                GPU, the host clock elsewhere, after untimed warm-up steps. `wall_s` times
+                one call on the host clock from an idle device to the end of its work
+                (a whole generate(), a capture, a pipeline's steps across ranks).
     rounds      `run_interleaved` runs every (variant, case) in rounds, one window each,
                 variants taking turns: the GPU machine is a VM whose host slows by up to 2x
                 for seconds at a time, and taking turns lets every variant see the same
@@ -10,6 +12,8 @@
     floor       `measure_peak_bandwidth` copies a large buffer on the device (bytes read +
                 written, median of several copies); `floor_ms(bytes, peak)` is the time a
                 step that must read `bytes` cannot beat.
+    cold        `fresh_compile_cache`: Inductor's caches empty for each measured variant,
+                so a warm-up time is a cold compile.
     report      `environment` (versions, device, commit), `write_json`, `log`, `guarded`
                 (one failing variant must not stop the others).
 
@@ -101,6 +105,15 @@ def _host_ms(step: Callable[[int], object], k: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def wall_s(fn: Callable[[], T], device: torch.device | str) -> tuple[float, T]:
+    """(wall seconds of fn(), its result): the device idle before, and waited for after."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
 @dataclasses.dataclass(frozen=True)
 class Timing:
     median_ms: float  # median of every timed step: the verdict
@@ -134,6 +147,24 @@ def run_interleaved(windows: dict[Key, Callable[[], T]], rounds: int) -> tuple[d
             else:
                 samples[key].append(sample)
     return {key: s for key, s in samples.items() if key[0] not in errors}, errors
+
+
+# -- cold compiles -------------------------------------------------------------------------
+
+
+def fresh_compile_cache(warm: bool = False):
+    """Inductor's caches (on disk and in memory) start empty inside this scope, unless `warm`.
+
+    Without it, a variant measured after another reuses the Triton kernels the first one
+    compiled (a fused RMSNorm is the same kernel in both), and its warm-up looks shorter.
+    """
+    if warm:
+        return contextlib.nullcontext()
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache  # renamed in torch 2.9
+    # Kept on disk after the scope: the compiled code stays in use (the variant is timed later).
+    return fresh(delete=False)
 
 
 # -- the bandwidth floor -------------------------------------------------------------------

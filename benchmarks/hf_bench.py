@@ -86,6 +86,8 @@ Method:
   - long run (--long-tokens N, for the --long-variants): after the rounds, one generate(N new
     tokens) with a clock read (after a synchronize) at every step; decode tokens/s in ten
     windows of the steps; "flat" is the last window's rate over the first's.
+  - --log-info: cgcompile's loggers at INFO; with `--variants cgcompile-static --batches 1
+    --rounds 1 --new-tokens 16`, it shows why a static-cache step ran piecewise.
   - --profile: per row, cProfile of a warm generate(64) and a torch.profiler table of a
     warm generate(8) (host and device time per op): where a decode step's time goes.
 Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
@@ -102,6 +104,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import logging
 import os
 import statistics
 import time
@@ -113,7 +116,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
 import harness
-from compile_cache import fresh_compile_cache
+from harness import fresh_compile_cache
 
 FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
@@ -250,14 +253,12 @@ def make_prompt(args, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def timed(model, ids, mask, new_tokens: int, kwargs: dict) -> tuple[float, torch.Tensor]:
-    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    """(wall seconds, output) of one greedy generate(new_tokens)."""
     if "past_key_values" in kwargs:  # --keep-cache: the one cache, emptied in place
         kwargs["past_key_values"].reset()
-    sync()
-    start = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-    sync()
-    return time.perf_counter() - start, out
+    return harness.wall_s(
+        lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs),
+        ids.device)
 
 
 def dynamo_graphs() -> int:
@@ -380,12 +381,12 @@ def write_profile(model, ids, mask, kwargs: dict, name: str, new_tokens: int = 6
 class StepClock:
     """A stopping criterion that never stops: records the time after every decode step."""
 
-    def __init__(self, sync):
-        self.sync = sync
+    def __init__(self, device: torch.device):
+        self.device = device
         self.times: list[float] = []
 
     def __call__(self, input_ids, scores, **kwargs):
-        self.sync()
+        harness.synchronize(self.device)
         self.times.append(time.perf_counter())
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
@@ -396,7 +397,7 @@ def long_run(loaded: Loaded, args, windows: int = 10) -> None:
 
     row = loaded.row
     ids, mask = make_prompt(args, row.batch, loaded.model.config.vocab_size)
-    clock = StepClock(torch.cuda.synchronize if ids.is_cuda else (lambda: None))
+    clock = StepClock(ids.device)
     loaded.model.generate(ids, attention_mask=mask, max_new_tokens=args.long_tokens, do_sample=False,
                           stopping_criteria=StoppingCriteriaList([clock]), **loaded.kwargs)
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # decode steps 2..N
@@ -565,9 +566,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=0,
                         help="after timing, one generate() of this many new tokens, timed per step (0: none)")
     parser.add_argument("--long-variants", default="breakable", help="comma-separated variants the long run covers")
+    parser.add_argument("--log-info", action="store_true",
+                        help="cgcompile's loggers at INFO: e.g. the first step of each reason a full graph "
+                             "was not replayed names the input that differed from the captured one")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="turn off SDPA's cuDNN backend for every variant (it builds a plan per key length)")
     args = parser.parse_args()
+    if args.log_info:
+        logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
+        logging.getLogger("cgcompile").setLevel(logging.INFO)
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
     on_cuda = args.device == "cuda"
@@ -611,15 +618,14 @@ def start_process(args) -> float:
     """Pay the process's one-time costs before any variant: the CUDA context and cuBLAS
     handles, and Inductor's start (imports, compile workers, Triton's launcher build).
     Whichever compiling variant came first would otherwise carry them in its warm-up."""
-    start = time.perf_counter()
-    x = torch.ones(64, 64, device=args.device)
-    x @ x
-    with fresh_compile_cache(args.warm_cache):
-        torch.compile(lambda a: torch.relu(a @ a) + 1)(x)
-    torch._dynamo.reset()
-    if args.device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    def start() -> None:
+        x = torch.ones(64, 64, device=args.device)
+        x @ x
+        with fresh_compile_cache(args.warm_cache):
+            torch.compile(lambda a: torch.relu(a @ a) + 1)(x)
+        torch._dynamo.reset()
+
+    return harness.wall_s(start, args.device)[0]
 
 
 def write_json(args, rows: list[Row], checks: list[dict]) -> bool:

@@ -451,11 +451,7 @@ def compare(arch: Arch, got, expected) -> Comparison:
 
 
 def seconds(fn: Callable[[], Any], device: str) -> float:
-    harness.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    harness.synchronize(device)
-    return time.perf_counter() - start
+    return harness.wall_s(fn, device)[0]
 
 
 def one_measure(arch: Arch, model, inputs: dict, options: Options) -> float:

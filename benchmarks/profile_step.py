@@ -40,23 +40,23 @@ ATTENTION_OPS = ("decode_attention", "scaled_dot_product", "attention")  # host 
 
 def host_times(step, batch: int, steps: int, device) -> tuple[float, float]:
     """(host ms per step to issue `steps` steps, wall ms per step including the GPU)."""
-    bench_lib.synchronize(device)
+    harness.synchronize(device)
     t0 = time.perf_counter()
     for k in range(steps):
         step(batch, bench_lib.timing_start(k), k)
     issued = time.perf_counter()
-    bench_lib.synchronize(device)
+    harness.synchronize(device)
     done = time.perf_counter()
     return (issued - t0) * 1e3 / steps, (done - t0) * 1e3 / steps
 
 
 def profile(step, batch: int, steps: int, device, top: int) -> str:
     profiler = cProfile.Profile()
-    bench_lib.synchronize(device)
+    harness.synchronize(device)
     profiler.enable()
     for k in range(steps):
         step(batch, bench_lib.timing_start(k), k)
-    bench_lib.synchronize(device)
+    harness.synchronize(device)
     profiler.disable()
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
@@ -126,7 +126,7 @@ def run(args) -> None:
                     with open(path, "w") as f:
                         f.write(f"host {host_ms:.3f} ms/step, wall {wall_ms:.3f} ms/step\n{report}")
         del prepared
-        bench_lib.release_memory(args.device)
+        harness.release_memory(args.device)
 
 
 def parse_args(argv=None):

@@ -32,6 +32,8 @@ GRAPH_LAUNCH = "cudaGraphLaunch"
 
 @dataclasses.dataclass(frozen=True)
 class KernelClass:
+    """One class of a step's kernels (gemm, attention, copy, elementwise), per step."""
+
     name: str
     ms_per_step: float
     kernels_per_step: float
@@ -42,6 +44,8 @@ class KernelClass:
 
 @dataclasses.dataclass(frozen=True)
 class StepBreakdown:
+    """A trace's GPU time per step: kernels, span, idle gaps by boundary, and the classes."""
+
     steps: int
     kernel_ms_per_step: float  # sum of kernel durations
     span_ms_per_step: float  # first kernel start to last kernel end, per step

@@ -20,13 +20,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import cgcompile
 
 
-def build_model(args) -> LlamaForCausalLM:
+def build_model(device: str, dtype: str = "float32", layers: int = 4, hidden: int = 256) -> LlamaForCausalLM:
+    """A small random Llama (no download), seeded: the model of every generate() example."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=1024, hidden_size=args.hidden, intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+        vocab_size=1024, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
     )
-    model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
+    model = LlamaForCausalLM(config).to(device, getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # random weights: generate exactly --new-tokens
     model.generation_config.pad_token_id = 0
     return model
@@ -70,7 +71,7 @@ def make_prompt(args, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     args = parse_args()
-    model = build_model(args)
+    model = build_model(args.device, args.dtype, args.layers, args.hidden)
     ids, mask = make_prompt(args, model.config.vocab_size)
     timing = ids.is_cuda  # without CUDA there are no CUDA graphs: a speed-up figure would mislead
     runs = 3 if timing else 1

@@ -37,7 +37,7 @@ def main() -> None:
         torch.set_num_threads(1)  # a tiny model: threads only add contention
     if on_cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 eager and graphs run the same kernels
-    model = build_model(args)
+    model = build_model(args.device, args.dtype, args.layers, args.hidden)
     ids, mask = make_prompt(args, model.config.vocab_size)
 
     timed_generate(model, ids, mask, args.new_tokens)  # warm-up

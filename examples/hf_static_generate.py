@@ -16,9 +16,9 @@ tokens must agree.
 import argparse
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
+from hf_generate import build_model  # the model of every generate() example
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,16 +32,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_model(device: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).to(device).eval()
-    model.generation_config.eos_token_id = None  # random weights: generate exactly --new-tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     # disable_compile: on CUDA, generate() would compile a static cache's step itself.
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
@@ -50,7 +40,7 @@ def generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def main() -> None:
     args = parse_args()
-    model = build_model(args.device)
+    model = build_model(args.device, layers=2, hidden=128)
     ids = (torch.arange(args.batch * 8, device=args.device).view(args.batch, 8) * 7 + 3) % 512  # [B, 8]
     expected = generate(model, ids, args.new_tokens)
 

@@ -12,19 +12,15 @@ named set of tensors received into persistent buffers that the graphs read in pl
 # cgcompile-example: needs-torchrun
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import cgcompile  # noqa: E402
-from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
-from benchmarks.distributed_model import StageDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.parallel.distributed import torchrun_worker  # noqa: E402
-from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
+import cgcompile
+from cgcompile.parallel.distributed import torchrun_worker
+from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
+from cgcompile.testing.decode_model import MODEL_CONFIGS
+from cgcompile.testing.parallel_model import StageDecoder, greedy_reference, seeded_llama
 
 FILL = 8  # cache positions filled before decoding (the "prompt")
 

@@ -12,18 +12,14 @@ the CUDA graphs on NCCL); `prepare_collectives` makes the communicator before ca
 # cgcompile-example: needs-torchrun
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import cgcompile  # noqa: E402
-from benchmarks.decode_model import MODEL_CONFIGS  # noqa: E402
-from benchmarks.distributed_model import TensorParallelDecoder, greedy_reference, seeded_llama  # noqa: E402
-from cgcompile.parallel.distributed import check_same_rows, prepare_collectives, torchrun_worker  # noqa: E402
+import cgcompile
+from cgcompile.parallel.distributed import check_same_rows, prepare_collectives, torchrun_worker
+from cgcompile.testing.decode_model import MODEL_CONFIGS
+from cgcompile.testing.parallel_model import TensorParallelDecoder, greedy_reference, seeded_llama
 
 FILL = 8
 

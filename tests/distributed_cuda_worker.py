@@ -11,10 +11,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
-from benchmarks.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
-from benchmarks.distributed_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker  # noqa: E402
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, stage_layers  # noqa: E402
+from cgcompile.testing.decode_model import MODEL_CONFIGS, Llama  # noqa: E402
+from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 
 CFG = MODEL_CONFIGS["tiny"]
 

@@ -1,5 +1,5 @@
-"""The decode model of `decode_model.py`, sharded for tensor parallelism and sliced into
-pipeline stages; the examples, the tests and `distributed_bench.py` share it.
+"""The decode model of `decode_model`, sharded for tensor parallelism and sliced into
+pipeline stages; the parallel examples, the tests and `benchmarks/distributed_bench.py` share it.
 
 Every rank builds the whole `Llama` from one seed, then keeps its part, so the shards
 of all ranks are the weights of the single-process model that the results are compared with.
@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.decode_model import MODEL_CONFIGS, Llama, static_attention
+from cgcompile.testing.decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, static_attention
 
 
 def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
@@ -106,8 +106,6 @@ class StageDecoder(nn.Module):
 @torch.no_grad()
 def greedy_reference(llama: Llama, ids: torch.Tensor, start: int, steps: int) -> torch.Tensor:
     """Single-process eager greedy decoding: [steps, B] tokens."""
-    from benchmarks.decode_model import HostLengthDecoder
-
     model, out = HostLengthDecoder(llama), []
     for step in range(steps):
         ids = model(ids, start + step).argmax(-1)

@@ -1,5 +1,7 @@
-"""The model of the decode benchmark: a Llama-like decoder with random weights and three ways
-to run its attention, so every variant of `decode_bench.py` times the same weights and cache.
+"""The decode model of the benchmarks and the parallel examples: a Llama-like decoder with
+random weights and three ways to run its attention, so every variant of
+`benchmarks/decode_bench.py` times the same weights and cache (its sharded forms are in
+`parallel_model`).
 
     HostLengthDecoder   forward(ids, start): attention is the custom op
                         `cgbench::decode_attention`, which takes the cache length as a host int
@@ -20,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPLIT_OP = "cgbench::decode_attention"
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+    """Layer shapes of the decode model, and the cache it holds: [max_batch, kv_heads, max_len, head_dim]."""
+
     hidden: int
     layers: int
     heads: int
@@ -148,6 +150,9 @@ def decode_attention(
     k_cache[:b, :, start] = k
     v_cache[:b, :, start] = v
     return grouped_attention(q, k_cache[:b, :, : start + 1], v_cache[:b, :, : start + 1])
+
+
+SPLIT_OP = "cgbench::decode_attention"
 
 
 def _decode_attention_fake(q, k, v, k_cache, v_cache, start):
