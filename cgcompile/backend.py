@@ -20,10 +20,10 @@ from .buffers import SizePolicy, StepSize, TracedLayout
 from .compat import is_static_address, torch_compile_call_of, torch_compile_call_on_stack
 from .config import Config, as_config
 from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
-from .full_graph import EagerPieceCompiles, FullGraph, FullGraphCode, plain_function
+from .full_graph import FullGraph, plain_function
 from .weights import FusedWeights, ParameterAddresses, has_address
 from .stats import BackendStats, Piece
-from .compiler import PieceCompiler, describe_input
+from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
 from .passes import (
     CaptureDim,
     SplitGraph,

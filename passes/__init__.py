@@ -18,7 +18,8 @@ from .padding_safety import PaddingHazard, find_padding_hazards, find_state_haza
 from .sibling_linears import FusedInput, fuse_sibling_linears
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
-from .split_rule import SplitReason, classify_nodes, is_floating, written_inputs
+from .mutation import written_inputs
+from .split_rule import SplitReason, classify_nodes, is_floating
 
 __all__ = [
     "CaptureDim",

@@ -36,8 +36,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .graph_values import example_value, free_symbols
+from .mutation import view_base, view_parent, written_inputs
 from .split import SplitGraph
-from .split_rule import _mutated_arg, _view_base, _view_parent
 
 # Rules whose eager nodes a full graph may hold: given the checks above, and views (a
 # stretch of views is kept out of piecewise graphs only because it launches nothing).
@@ -96,11 +96,11 @@ def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset
     if why:
         return why
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    written = _written_inputs(gm)
+    written = written_inputs(gm)  # written into the caller's tensors: checked by address, never copied
     reached = _inputs_reached_by_eager_pieces(split)
     by_address = tuple(
         i for i, n in enumerate(placeholders)
-        if _is_tensor(n) and (n in written or (n.name in static_inputs and n in reached)
+        if _is_tensor(n) and (i in written or (n.name in static_inputs and n in reached)
                               or (n.name not in static_inputs and _overlaps(n)))
     )
     host_values = _host_value_sources(placeholders, capture_symbol)
@@ -129,38 +129,9 @@ def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str 
     output = next(n for n in gm.graph.nodes if n.op == "output")
     returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     for value in returned:
-        if isinstance(value, Node) and _view_base(value).op == "placeholder":
+        if isinstance(value, Node) and view_base(value).op == "placeholder":
             return f"the graph returns {value.name}, an input or a view of one (a full graph would return its copy)"
     return None
-
-
-def _written_inputs(gm: GraphModule) -> set[Node]:
-    """Graph inputs some node writes into, directly or through a view: a full graph must
-    write into the caller's tensor, so these are checked by address, never copied."""
-    written = set()
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
-            continue
-        for target in _written_args(node):
-            base = _view_base(target) if isinstance(target, Node) else None
-            if base is not None and base.op == "placeholder":
-                written.add(base)
-    return written
-
-
-def _written_args(node: Node) -> list:
-    """Every argument `node` writes into: an in-place method or operator, each argument its
-    schema marks written (an op may write several: keys and values), and `out=`."""
-    args = [_mutated_arg(node)]
-    schema = getattr(node.target, "_schema", None)
-    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
-        schema = node.target.default._schema
-    if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                args.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    args.append(node.kwargs.get("out"))
-    return [a for a in args if isinstance(a, Node)]
 
 
 def _inputs_reached_by_eager_pieces(split: SplitGraph) -> set[Node]:
@@ -173,7 +144,7 @@ def _inputs_reached_by_eager_pieces(split: SplitGraph) -> set[Node]:
             continue
         inner = [n for n in spec.graph.graph.nodes if n.op == "placeholder"]
         for node, original in zip(inner, spec.inputs):
-            base = _view_base(original)
+            base = view_base(original)
             if base.op == "placeholder" and _used_by_an_op(node):
                 reached.add(base)
     return reached
@@ -184,7 +155,7 @@ def _used_by_an_op(node: Node) -> bool:
     for user in node.users:
         if user.op == "output":
             continue
-        if _view_parent(user) is not node or _used_by_an_op(user):
+        if view_parent(user) is not node or _used_by_an_op(user):
             return True
     return False
 

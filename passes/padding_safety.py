@@ -40,7 +40,8 @@ from torch.fx import GraphModule, Node
 
 from .attention_mask import additive_attention_mask
 from .graph_values import example_value, tensors_in
-from .split_rule import is_floating, mutated_base
+from .mutation import mutated_base
+from .split_rule import is_floating
 
 
 @dataclasses.dataclass(frozen=True)

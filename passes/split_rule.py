@@ -21,9 +21,10 @@ Rules, in order:
                 (`arange(n) + cache_len` for rotary positions, `x * t.item()`): the
                 output shape is fixed, but a CUDA graph would replay the value it
                 was captured with
-  input_mutation the op writes in place into a graph input that is not a parameter or
-                buffer, or into a value an earlier piece made (one made before the last
-                eager node); a graph would write into its private copy instead
+  input_mutation the op writes (in place, into a schema-marked argument, or `out=`: see
+                `mutation.py`) into a graph input that is not a parameter or buffer, or
+                into a value an earlier piece made (one made before the last eager
+                node); a graph would write into its private copy instead
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, free_symbols, is_size_value, may_alias_first_input, tensors_in
+from .graph_values import example_value, free_symbols, is_size_value, tensors_in
+from .mutation import view_base, view_parent, written_args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +51,6 @@ class SplitReason:
         return f"{self.node}: {self.detail} [{self.rule}]"
 
 
-_TUPLE_OF_VIEWS = frozenset({"chunk", "split", "unbind", "tensor_split", "split_with_sizes", "unsafe_split"})
-_IN_PLACE_OPERATORS = frozenset({
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-    operator.irshift, operator.imatmul,
-})
 _HOST_SYNC_METHODS = frozenset({"item", "tolist", "numpy", "nonzero", "__bool__", "__int__", "__float__"})
 _HOST_SYNC_FUNCTIONS = frozenset({torch.nonzero, torch.Tensor.item, torch.Tensor.tolist})
 # Aten ops that wait for the device (their result is a host value, or its shape depends on
@@ -237,32 +233,11 @@ def _not_capture_dim(symbols: set, allowed: set) -> str:
 
 
 def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str] | None:
-    for target in _mutated_args(node):
-        base = _view_base(target)
+    for target in written_args(node):
+        base = view_base(target)
         if base.op == "placeholder" and base.name in mutable_inputs:
             return "input_mutation", f"writes in place into graph input {base.name}"
     return None
-
-
-def mutated_base(node: Node) -> tuple[Any, Node | None]:
-    """(the argument an in-place op writes into, the tensor it is a view of), or (None, None)."""
-    target = _mutated_arg(node)
-    if not isinstance(target, Node):
-        return None, None
-    return target, _view_base(target)
-
-
-def written_inputs(gm: GraphModule) -> tuple[int, ...]:
-    """Positions of the placeholders of `gm` that some op writes into, directly or through
-    a view: the inputs a run of `gm` changes."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    written = set()
-    for node in gm.graph.nodes:
-        for target in _mutated_args(node):
-            base = _view_base(target)
-            if base.op == "placeholder":
-                written.add(placeholders.index(base))
-    return tuple(sorted(written))
 
 
 def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
@@ -271,12 +246,12 @@ def _earlier_piece_rule(node: Node, position: dict[Node, int], last_eager: int,
     a value that a later op writes through: the value belongs to an earlier piece, and a
     graph of this one would hold (and write into) its own copy of it."""
     if node in written_views:
-        base = _origin(_view_base(node))
+        base = _origin(view_base(node))
         if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
             return "input_mutation", f"a view of {base.name}, which an earlier piece made and an op writes into"
         return None
-    for target in _mutated_args(node):
-        base = _origin(_view_base(target))
+    for target in written_args(node):
+        base = _origin(view_base(target))
         if base.op != "placeholder" and position.get(base, last_eager + 1) <= last_eager:
             return "input_mutation", f"writes in place into {base.name}, which an earlier piece made"
     return None
@@ -295,87 +270,12 @@ def _views_written_through(gm: GraphModule) -> set[Node]:
     view must alias the real tensor, so it may not be made inside a graph from its copy."""
     written = set()
     for node in gm.graph.nodes:
-        written.update(_origin(_view_base(target)) for target in _mutated_args(node))
+        written.update(_origin(view_base(target)) for target in written_args(node))
     return {
         node for node in gm.graph.nodes
-        if node.op in ("call_function", "call_method") and _view_parent(node) is not None
-        and _origin(_view_base(node)) in written
+        if node.op in ("call_function", "call_method") and view_parent(node) is not None
+        and _origin(view_base(node)) in written
     }
-
-
-def _mutated_args(node: Node) -> list[Node]:
-    """Every tensor argument `node` writes into (an op may write several: a cache update
-    writes keys and values; `out=` is one too)."""
-    if node.op not in ("call_function", "call_method"):
-        return []
-    first = _mutated_arg(node)
-    schema = _schema(node)
-    if schema is None:
-        return [first] if isinstance(first, Node) else []
-    written = [value for arg, value in zip(schema.arguments, node.args) if _writes(arg)]
-    written += [node.kwargs[arg.name] for arg in schema.arguments if _writes(arg) and arg.name in node.kwargs]
-    return [value for value in written if isinstance(value, Node)]
-
-
-def _writes(arg) -> bool:
-    return arg.alias_info is not None and arg.alias_info.is_write
-
-
-def _schema(node: Node):
-    schema = getattr(node.target, "_schema", None)
-    if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket) and "default" in node.target.overloads():
-        schema = node.target.default._schema  # Dynamo records torch.ops.ns.op as the packet
-    return schema
-
-
-def _mutated_arg(node: Node) -> Any:
-    if node.op == "call_method" and node.target.endswith("_") and not node.target.startswith("_"):
-        return node.args[0]
-    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
-        # x += y on a tensor writes into x (Dynamo keeps operator.iadd for it)
-        target = node.args[0]
-        if node.target is operator.setitem or isinstance(example_value(target), torch.Tensor):
-            return target
-    schema = _schema(node)
-    if schema is not None:
-        for arg, value in zip(schema.arguments, node.args):
-            if _writes(arg):
-                return value
-    return None
-
-
-def _view_base(node: Node) -> Node:
-    """The tensor a chain of views starts from."""
-    while (parent := _view_parent(node)) is not None:
-        node = parent
-    return node
-
-
-def _view_parent(node: Node) -> Node | None:
-    """The tensor `node` is (or may be) a view of, or None: views, and ops such as reshape
-    that return one when they can. An element of a tuple of views (chunk, split, unbind)
-    is a view of what they split; of any other tuple, of nothing."""
-    if not (may_alias_first_input(node) or _is_tuple_of_views(node)) or not node.args or not isinstance(node.args[0], Node):
-        return None
-    if node.target is operator.getitem and _indexes_by_tensor(node.args[1:2]):
-        return None  # table[ids] gathers into a new tensor
-    parent = node.args[0]
-    if isinstance(example_value(parent), torch.Tensor):
-        return parent
-    return parent if _is_tuple_of_views(parent) else None
-
-
-def _indexes_by_tensor(index) -> bool:
-    if isinstance(index, Node):
-        return isinstance(example_value(index), torch.Tensor)
-    if isinstance(index, (tuple, list)):
-        return any(_indexes_by_tensor(i) for i in index)
-    return False
-
-
-def _is_tuple_of_views(node: Node) -> bool:
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", None)
-    return node.op in ("call_method", "call_function") and name in _TUPLE_OF_VIEWS
 
 
 def process_group_backend(group_name: str, device_type: str) -> str | None:

@@ -1,12 +1,18 @@
-"""The shared compile cache (`PieceCompiler`): pieces with the same code and input
+"""The shared compile cache (`compiler.CompileCache`, as `PieceCompiler` uses it): pieces with the same code and input
 descriptions share a compile only with a graph that assumes at least as much about the
 sizes, and a compile served from a cache brings back the guards it added."""
 
+import dataclasses
+
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import cgcompile
 from cgcompile.compat import fresh_inductor_cache
+from cgcompile.compiler import CompileCache, CompileKey, SizeAssumptions
+
+KEY = CompileKey("piece", "def forward(self, x): ...", ("f32[s0, 8]",))
 
 
 def _backend() -> cgcompile.Backend:
@@ -101,3 +107,39 @@ def test_a_piece_served_from_inductors_cache_brings_back_its_guards():
             assert backend.stats.graphs_seen == 2, source
         assert counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"] >= 2
 
+
+
+# -- CompileCache itself: the one cache of pieces, compile sizes and whole graphs ----------
+
+def _assuming(*facts: str) -> SizeAssumptions:
+    return SizeAssumptions((), frozenset(facts))
+
+
+def test_a_compile_serves_only_assumptions_that_imply_the_ones_it_was_made_under():
+    cache, made = CompileCache(), []
+
+    def get(*facts):
+        return cache.get(KEY, lambda: made.append(facts) or facts, what="a piece", assumed=lambda: _assuming(*facts))
+
+    assert get("s0 >= 8") == ("s0 >= 8",)
+    assert get("s0 >= 8", "Eq(Mod(s0, 2), 0)") == ("s0 >= 8",)  # assumes more: shared
+    assert get() == ()  # assumes less: a compile of its own
+    assert get("s0 >= 8") == ("s0 >= 8",)
+    at_4 = dataclasses.replace(KEY, kind="piece at size", size=4)
+    assert cache.get(at_4, lambda: "at 4", what="a piece at 4") == "at 4"
+    assert made == [("s0 >= 8",), ()] and cache.made == {"piece": 2, "piece at size": 1}
+
+
+def test_a_bounded_cache_falls_back_once_per_key_and_an_unbounded_one_raises():
+    def fail():
+        raise RuntimeError("no lowering")
+
+    bounded = CompileCache(limit=1, fall_back=True)
+    assert bounded.get(KEY, fail, what="a graph") is None and bounded.compilations == 0
+    assert bounded.get(KEY, lambda: "never tried again", what="a graph") is None
+    other = dataclasses.replace(KEY, inputs=("f32[4, 8]",))
+    assert bounded.get(other, lambda: "compiled", what="a graph") == "compiled"
+    assert bounded.get(dataclasses.replace(KEY, size=2), lambda: "over the limit", what="a graph") is None
+    assert bounded.compilations == 1
+    with pytest.raises(RuntimeError, match="no lowering"):
+        CompileCache().get(KEY, fail, what="a piece")

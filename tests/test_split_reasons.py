@@ -205,3 +205,27 @@ def test_an_op_that_writes_two_arguments_writes_both():
     torch.compile(f, backend=keep, fullgraph=True)(torch.randn(8), torch.zeros(8), torch.zeros(8))
     placeholders = [n.name for n in graphs[0].graph.nodes if n.op == "placeholder"]
     assert sorted(placeholders[i] for i in written_inputs(graphs[0])) == ["l_keys_", "l_values_"]
+
+
+def test_an_out_argument_is_written_for_the_split_rule_and_the_full_graph_plan():
+    # torch.add(x, 1, out=buf) writes into buf: a graph would write into its own copy of it.
+    from cgcompile.passes import classify_nodes, written_inputs
+
+    def f(x, buf):
+        torch.add(x, 1, out=buf)
+        return buf * 2
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(f, backend=keep, fullgraph=True)(torch.randn(8), torch.zeros(8))
+    (gm,) = graphs
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [placeholders[i] for i in written_inputs(gm)] == ["l_buf_"]
+    eager = classify_nodes(gm, op_reason=lambda target: None, capture_symbol=None, on_accelerator=False,
+                           mutable_inputs=frozenset(placeholders))
+    assert [(reason.rule, reason.detail) for reason in eager.values()] == [
+        ("input_mutation", "writes in place into graph input l_buf_")]
