@@ -8,7 +8,7 @@ on an H100 for 2 MB of keys and values, far below the bandwidth the GPU has. Wri
 batched matmul for the scores, a softmax and a batched matmul for the output, the two
 matmuls split the key length over the whole GPU and Inductor fuses the scaling, masking
 and softmax: 8 us for the same layer, 12 us at batch 8 against SDPA's 47
-(benchmarks/RESULTS.md, "Which form": a form of float32 reductions measured 18 and 61).
+(benchmarks/HISTORY.md, "Which form": a form of float32 reductions measured 18 and 61).
 
 `lower_small_query_attention` rewrites such calls in a graph that Inductor compiles
 (`Config.small_query_attention`, full graphs only): never in pieces, where attention runs
