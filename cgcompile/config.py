@@ -43,8 +43,12 @@ def option(default: Any, check: Check, doc: str, *, flat: str | None = None,
     doc (rendered into docs/config.md) and its flat name in `Config(...)` where that differs
     from the field's own name. `normalise` turns accepted spellings (a list, a dict, numpy
     ints) into the stored form before the check runs."""
-    metadata = {"check": check, "doc": " ".join(doc.split()), "flat": flat, "normalise": normalise}
+    metadata = {"check": check, "doc": " ".join(doc.split()), "flat": flat, "normalise": normalise or _same}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def _same(name: str, value: Any) -> Any:
+    return value
 
 
 def flat_name(field: dataclasses.Field) -> str:
@@ -259,7 +263,7 @@ class _Group:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             culprit = flat_name(field)  # the name most users wrote, and the one the docs list first
-            value = (field.metadata["normalise"] or _same)(culprit, getattr(self, field.name))
+            value = field.metadata["normalise"](culprit, getattr(self, field.name))
             object.__setattr__(self, field.name, value)
             field.metadata["check"](culprit, value)
 
@@ -277,10 +281,6 @@ def _group(cls: type) -> type:
 
     cls.__init__ = checked_init
     return cls
-
-
-def _same(name: str, value: Any) -> Any:
-    return value
 
 
 @_group
@@ -410,8 +410,8 @@ class FullGraph(_Group):
         walk the keys with one thread block per head (precision that of Hugging Face's eager
         attention): inside the whole-graph compile with `compile`, else by compiling each eager
         piece that holds such a call at the shapes of its capture (identical layers share one
-        compile). Piecewise calls are unchanged. Needs compiler="inductor" or `compile=True`. See
-        `cgcompile.passes.small_query`.""")
+        compile). Piecewise calls are unchanged. Needs compiler="inductor" or `compile=True`
+        (flat: full_graph_compile=True). See `cgcompile.passes.small_query`.""")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -427,8 +427,8 @@ class Debug(_Group):
     dump_dir: str | None = option(None, _dump_dir, doc="""
         Write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR); "~" is expanded, and a
         path that cannot be a writable folder is refused at once. Each Backend dumps into a folder
-        of its own: DUMP_DIR itself for the first, the first free DUMP_DIR/run_<n> for any later
-        one (see `cgcompile.dump.claim_run_folder`).""")
+        of its own: `DUMP_DIR` itself for the first, the first free `DUMP_DIR/run_<n>` for any
+        later one (see `cgcompile.dump.claim_run_folder`).""")
     check_addresses: bool = option(False, _bool, doc="""
         On every replay, check that inputs captured by address still live there, and raise naming
         the piece and input if not. Without it, a call whose parameters moved runs without graphs
@@ -458,17 +458,19 @@ def _part(cls: type, optional: bool = False) -> Any:
 class Config:
     """How cgcompile splits, compiles and captures a model: one frozen record per concern.
 
-    Write it with the flat names, `Config(capture_sizes=(1, 2, 4, 8), compiler="eager")`,
-    as the torch.compile options dict does, or by group, `Config(sizes=Sizes(capture_sizes=
-    (1, 2, 4, 8)))`; a group may also be given as a dict of its fields. Flat names given
-    beside their group are applied on top of it (so `dataclasses.replace(config,
-    compiler="eager")` works). Every flat name reads back as an attribute
-    (`config.capture_sizes`). The full-graph options live only inside `full_graph`:
-    `Config(full_graph=FullGraph(compile=True))`, or flat, `Config(capturable_split_ops=
-    ("attention",), full_graph_compile=True)`; a full-graph option without
-    `capturable_split_ops` is refused, since there would be no full graph to apply it to.
-    Unknown names, wrong types and values that cannot work together raise ConfigError
-    when the Config is built. Fields and their docs: docs/config.md.
+    Write it with the flat names, as the torch.compile options dict does:
+    `Config(capture_sizes=(1, 2, 4, 8), compiler="eager")`; or by group:
+    `Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)))`, where a group may also be a dict of
+    its fields. Flat names given beside their group are applied on top of it, so
+    `dataclasses.replace(config, compiler="eager")` works. Every flat name reads back as an
+    attribute: `config.capture_sizes`.
+
+    The full-graph options exist only inside `full_graph`, None by default:
+    `Config(full_graph=FullGraph(compile=True))`, or flat,
+    `Config(capturable_split_ops=("attention",), full_graph_compile=True)`. A full-graph
+    option without `capturable_split_ops` is refused: there would be no full graph to apply
+    it to. Unknown names, wrong types and values that cannot work together raise
+    ConfigError when the Config is built.
     """
 
     split: Split = _part(Split)
@@ -487,8 +489,6 @@ class Config:
                     if group == part.name and name in kwargs}
             object.__setattr__(self, part.name, _build_part(part, kwargs.get(part.name, _UNSET), flat))
         _check_across_parts(self)
-        self.split_ops  # built now: the first compile should not be where it fails
-        self.capturable_ops
 
     @functools.cached_property
     def split_ops(self) -> SplitOps:
@@ -561,15 +561,16 @@ def _given_part(name: str, cls: type, value: Any, optional: bool = False) -> Any
 
 
 def _full_graph(given: FullGraph | None, flat: dict[str, Any]) -> FullGraph | None:
-    """The full-graph record, from `full_graph=` and the flat names: None when no split op
-    may be captured, and then no other full-graph option may be set."""
+    """The full-graph record, from `full_graph=` with the flat names on top: None when no
+    split op may be captured, and then no other full-graph option may be set (it would
+    be ignored)."""
     if not flat:
         return given
     fields = {f.name: f for f in dataclasses.fields(FullGraph)}
     values = {**({n: getattr(given, n) for n in fields} if given else _FULL_GRAPH_OFF), **flat}
     if not (isinstance(values["split_ops"], (tuple, list)) and len(values["split_ops"]) == 0):
         return FullGraph(**values)
-    ignored = {flat_name(fields[n]): v for n, v in values.items() if n in flat and v != _FULL_GRAPH_OFF[n]}
+    ignored = {flat_name(fields[n]): v for n, v in values.items() if n != "split_ops" and v != _FULL_GRAPH_OFF[n]}
     for name, value in ignored.items():  # a wrong type is named as such first
         _check_value(fields[FLAT_NAMES[name][1]], name, value)
     given_text = ", ".join(f"{n}={v!r}" for n, v in ignored.items())
@@ -581,7 +582,7 @@ def _full_graph(given: FullGraph | None, flat: dict[str, Any]) -> FullGraph | No
 
 
 def _check_value(field: dataclasses.Field, culprit: str, value: Any) -> None:
-    field.metadata["check"](culprit, (field.metadata["normalise"] or _same)(culprit, value))
+    field.metadata["check"](culprit, field.metadata["normalise"](culprit, value))
 
 
 def _check_across_parts(config: Config) -> None:
