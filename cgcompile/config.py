@@ -1,10 +1,19 @@
-"""The one frozen configuration object, validated when it is built."""
+"""The one frozen configuration object, grouped by concern and validated when it is built.
+
+`Config` holds one small frozen record per concern (`Split`, `Sizes`, `Compile`, `Graphs`,
+`Rewrites`, `FullGraph`, `Debug`, `Manager`). Each field is declared once, with its doc,
+its check and its flat name, by `option`; everything else is derived from those
+declarations: the flat keywords `Config(capture_sizes=...)` and the torch.compile options
+dict accept, the flat attributes the engine reads (`config.capture_sizes`), the checks
+run at construction, and docs/config.md (`python tools/config_docs.py`).
+"""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import functools
+import inspect
 import numbers
 import os
 import tempfile
@@ -24,267 +33,31 @@ COMPILERS = ("eager", "inductor")
 DUMP_DIR_ENV = "CGCOMPILE_DUMP_DIR"
 USE_BREAKABLE_ENV = "CGCOMPILE_USE_BREAKABLE"
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-    """How cgcompile splits, compiles and captures a model.
-
-    splitting_ops: ops to split at besides the defaults (attention in every form,
-        flash-attn ops, ops tagged `cudagraph_unsafe`): op objects (what
-        `@torch.library.custom_op` returns too) or "ns::op[.overload]".
-    capture_sizes: sizes of the capture dimension that get a CUDA graph; a call of size n
-        runs padded to the smallest capture size >= n. Any order, any int type (numpy's
-        too): stored as sorted Python ints, as compile_sizes is.
-    compiler: "eager" runs capturable pieces as FX code; "inductor" compiles each once.
-    cudagraphs: None = on when the graph's tensors are on CUDA.
-    dump_dir: write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR); "~" is
-        expanded, and a path that cannot be a writable folder is refused at once. Each
-        Backend dumps into a folder of its own: DUMP_DIR itself for the first, the first
-        free DUMP_DIR/run_<n> for any later one (see `cgcompile.dump.claim_run_folder`).
-    capture_input / capture_input_dim: override which graph input's dimension is the
-        capture dimension (see `cgcompile.passes.find_capture_dim` for the default rule).
-        The input is named as in the model's forward, e.g. "input_ids".
-    reuse_output_buffers: return the graphs' static output buffers instead of copies.
-        Faster, but a later call overwrites outputs the caller still holds.
-    check_addresses: on every replay, check that inputs captured by address still live
-        there, and raise naming the piece and input if not. Without it, a call whose
-        parameters moved runs without graphs and graphs are captured again once the new
-        addresses settle (`cgcompile.weights`).
-    cudnn_attention: let scaled_dot_product_attention in the eager pieces use its cuDNN
-        backend. Off by default: cuDNN builds a plan for every new key length (tens of
-        ms each, then a host-side lookup per call), and split attention sees a new
-        length at every decode step. See `cgcompile.ops`.
-    fold_grouped_query: where a one-token query meets KV heads repeated for grouped-query
-        attention (`repeat_kv`), let SDPA read the un-repeated cache instead (see
-        `cgcompile.passes.grouped_query`): two copies of the cache per layer and step
-        fewer. Results agree with eager to rounding, not bit for bit; False keeps the
-        model's own attention calls.
-    fuse_sibling_linears: linear layers that read the same input with parameter weights
-        (q/k/v projections, gate and up) run as one matmul over their concatenated
-        weights (see `cgcompile.passes.sibling_linears`): at decode sizes small
-        projections run far below the GPU's bandwidth, and one larger matmul does not.
-        Costs memory: the concatenated weights are copies (`stats.fused_weight_bytes`),
-        kept equal to the parameters on every call (`cgcompile.weights`; a write
-        through `param.data` is not seen: call `Backend.refresh_fused_weights()`).
-        Results agree with eager to rounding. For inference: with grad on, parameters
-        that require grad are left out.
-    capture_error_mode: torch's check for unsafe CUDA calls during capture: "global",
-        "thread_local" (other threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".
-    use_breakable: the manager's default path (breakable CUDA graphs instead of compiled
-        pieces); the CGCOMPILE_USE_BREAKABLE environment variable overrides it.
-    padding: None pads calls to the capture sizes when CUDA graphs are on; True pads
-        them even without graphs (on CPU too: how the tests exercise padding); False never
-        pads (every graph is captured at the exact sizes seen). A Dynamo graph whose
-        capturable code mixes rows along the capture dimension is never padded, whatever
-        this says (see `cgcompile.passes.padding_safety`). Breakable graphs, which have no
-        graph to check, pad only with True: the user's word that rows never mix.
-    capturable_split_ops: split ops that may be captured into one full graph of the whole
-        Dynamo graph ("attention", op objects or "ns::op[.overload]"; see
-        `cgcompile.ops`). A call replays the full graph when every host value
-        and every input address the split ops read equals the captured one, else it runs
-        piecewise (see `cgcompile.full_graph`). Empty (the default): always piecewise.
-    full_graph_compile: a full graph captures the whole Dynamo graph compiled by Inductor
-        at its size (fused across what are piece boundaries), at the cost of one compile
-        of the whole graph per captured size, made at that size's first capture (counted
-        in `stats.full_graph_compilations`, its seconds in `stats.full_graph_compile_s`).
-        With compiler="eager" beside it, that is the only compile: piecewise calls (a
-        prefill) run the pieces as FX code, and the warm-up is one compile, not two.
-        False: a full graph captures the pieces' own code in order, with no compile
-        beyond theirs. See `cgcompile.full_graph`.
-    small_query_attention: in full graphs, attention calls of at most 16 query rows
-        (decode) are compiled as two batched matmuls around a float32 softmax, which
-        spread over the whole GPU, instead of SDPA's kernels, which walk the keys with
-        one thread block per head (H100: 0.77x reduce-overhead's decode step on a 1B
-        decoder at batch 1; precision that of Hugging Face's eager attention):
-        inside the whole-graph compile with full_graph_compile, else by compiling each
-        eager piece that holds such a call at the shapes of its capture (identical
-        layers share one compile). Piecewise calls are unchanged. Needs compiler="inductor"
-        or full_graph_compile. See `cgcompile.passes.small_query`, `cgcompile.full_graph`.
-    exact_size_limit: a graph that runs at exact sizes (padding off, or unsafe to pad)
-        captures one set of CUDA graphs per distinct size: for each capture size, and for
-        at most this many other sizes; calls of further new sizes run its pieces without
-        graphs (logged once).
-    compile_sizes: capture sizes whose pieces are also compiled with the capture dimension
-        fixed (Inductor can then pick kernels for that exact shape, e.g. a matrix-vector
-        product at size 1); the graphs of those sizes replay the specialised code, other
-        sizes the general compile. Each adds one compile per distinct piece, at the first
-        call of that size (counted in `stats.specialised_compilations`, its seconds in
-        `stats.specialise_s`). See `cgcompile.compiler`.
-    inductor_options: Inductor config patches for every compile of a piece, as a dict
-        (e.g. {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs.
-        Warm-up cost: coordinate_descent_tuning benchmarks tile sizes of every kernel
-        (seconds per distinct piece); max_autotune_gemm benchmarks GEMM templates (tens
-        of seconds per distinct GEMM shape). None are set by default.
-    size_inductor_options: patches for the compile_sizes compiles only, on top of
-        inductor_options: where autotuning pays, since every shape there is fixed.
-    """
-
-    splitting_ops: tuple[Any, ...] = ()
-    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
-    compiler: str = "inductor"
-    cudagraphs: bool | None = None
-    dump_dir: str | None = None
-    capture_input: str | None = None
-    capture_input_dim: int = 0
-    reuse_output_buffers: bool = False
-    check_addresses: bool = False
-    use_breakable: bool = False
-    capture_error_mode: str = "global"
-    cudnn_attention: bool = False
-    fold_grouped_query: bool = True
-    fuse_sibling_linears: bool = False
-    padding: bool | None = None
-    exact_size_limit: int = 32
-    compile_sizes: tuple[int, ...] = ()
-    inductor_options: tuple[tuple[str, Any], ...] = ()
-    size_inductor_options: tuple[tuple[str, Any], ...] = ()
-    capturable_split_ops: tuple[Any, ...] = ()
-    full_graph_compile: bool = False
-    small_query_attention: bool = False
-
-    def __new__(cls, *args, **kwargs):
-        # Runs before the dataclass's generated __init__, so a misspelt or positional
-        # argument gets a ConfigError that lists the fields, not the dataclass's TypeError.
-        _check_field_names("Config", args, kwargs)
-        return super().__new__(cls)
-
-    def __post_init__(self):
-        for name in _TUPLE_FIELDS:  # lists are accepted and stored as tuples (hashable, frozen)
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in _SIZE_FIELDS:  # numpy ints become ints; sizes are kept sorted (the order means nothing)
-            object.__setattr__(self, name, _sorted_sizes(getattr(self, name)))
-        for name in _OPTION_FIELDS:  # dicts are accepted and stored as sorted pairs (hashable)
-            if isinstance(getattr(self, name), Mapping):
-                object.__setattr__(self, name, _as_pairs(name, getattr(self, name)))
-        for field in dataclasses.fields(self):
-            _FIELD_CHECKS[field.name](field.name, getattr(self, field.name))
-        _check_compile_sizes(self.compile_sizes, self.capture_sizes)
-        expect(self.compiler == "inductor" or self.full_graph_compile or not self.small_query_attention,
-               "small_query_attention", 'compiler="inductor" or full_graph_compile=True beside it (the lowered '
-               'attention is compiled)', f"compiler={self.compiler!r}",
-               'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
-               ConfigError, raw=True)
-        self.split_ops  # validates every splitting op name now, not at the first compile
-        self.capturable_ops
-
-    @functools.cached_property
-    def split_ops(self) -> SplitOps:
-        return SplitOps(frozenset(normalize_op(_held_op(op)) for op in self.splitting_ops))
-
-    @functools.cached_property
-    def capturable_ops(self) -> CapturableOps:
-        return CapturableOps(frozenset(_capturable(op) for op in self.capturable_split_ops))
-
-    @property
-    def max_capture_size(self) -> int:
-        return max(self.capture_sizes)
-
-    def pads(self, cudagraphs: bool) -> bool:
-        """Whether calls are padded to the capture sizes, for a graph with graphs on or off."""
-        return cudagraphs if self.padding is None else self.padding
-
-    def resolved_dump_dir(self) -> str | None:
-        """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only), with
-        "~" expanded; a path that cannot be a writable folder raises ConfigError."""
-        if self.dump_dir:
-            return os.path.expanduser(os.fspath(self.dump_dir))
-        value = os.environ.get(DUMP_DIR_ENV)
-        return check_dump_dir(DUMP_DIR_ENV, value) if value else None
-
-    def resolved_use_breakable(self) -> bool:
-        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only).
-
-        `as_config` calls it when a Backend or GraphManager is built, so a malformed value
-        is refused on every path, not only on the one that uses it.
-        """
-        value = os.environ.get(USE_BREAKABLE_ENV)
-        if value is None or value == "":
-            return self.use_breakable
-        expect(value in ("0", "1"), USE_BREAKABLE_ENV, "0 or 1", value,
-               f"unset it or write {USE_BREAKABLE_ENV}=1 for breakable graphs, 0 for compiled pieces", ConfigError)
-        return value == "1"
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
-        """Build from `torch.compile(..., options={...})`: the keys are Config's fields,
-        checked exactly as `Config(**options)` checks them (lists accepted for tuples)."""
-        expect(options is None or isinstance(options, Mapping), "options", "a dict of Config fields", options,
-               "write options={'compiler': 'eager'}", ConfigError)
-        options = dict(options or {})
-        _check_field_names("options", (), options)
-        return cls(**options)
+Check = Callable[[str, Any], None]
+Normalise = Callable[[str, Any], Any]
 
 
-_TUPLE_FIELDS = ("splitting_ops", "capture_sizes", "compile_sizes", "capturable_split_ops")
-_SIZE_FIELDS = ("capture_sizes", "compile_sizes")
-_OPTION_FIELDS = ("inductor_options", "size_inductor_options")
+def option(default: Any, check: Check, doc: str, *, flat: str | None = None,
+           normalise: Normalise | None = None) -> Any:
+    """A group's field: its default, its check (raises ConfigError naming the culprit), its
+    doc (rendered into docs/config.md) and its flat name in `Config(...)` where that differs
+    from the field's own name. `normalise` turns accepted spellings (a list, a dict, numpy
+    ints) into the stored form before the check runs."""
+    metadata = {"check": check, "doc": " ".join(doc.split()), "flat": flat, "normalise": normalise or _same}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def as_config(config: Any, culprit: str) -> Config:
-    """The `config` argument of an entry point (a Config, or None for the defaults), with the
-    environment checked too: a malformed CGCOMPILE_USE_BREAKABLE is refused on every path."""
-    fix = "write Config(**options) or Config.from_options(options)" if isinstance(config, Mapping) else ""
-    expect(config is None or isinstance(config, Config), f"{culprit}: config", "a cgcompile.Config or None",
-           config, fix, ConfigError)
-    config = config or Config()
-    config.resolved_use_breakable()
-    config.resolved_dump_dir()
-    return config
+def _same(name: str, value: Any) -> Any:
+    return value
 
 
-def check_dump_dir(culprit: str, path: Any) -> str:
-    """`path` with "~" expanded, checked to be a folder cgcompile can make and write now.
-
-    Nothing is left behind: the nearest existing folder on the path gets a probe folder
-    that is removed at once (permission bits alone cannot tell: /proc is writable to root
-    by its bits, but nothing can be made there)."""
-    folder = os.path.expanduser(os.fspath(path))
-    existing = os.path.abspath(folder)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    fix = "choose a folder you can write, e.g. dump_dir='~/cgcompile_dump'"
-    if not os.path.isdir(existing):
-        where = "a file" if existing == os.path.abspath(folder) else f"a path under the file {existing!r}"
-        raise ConfigError(expected(culprit, "a folder path", f"{path!r}, {where}", fix, raw=True))
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".cgcompile_probe_", dir=existing))
-    except OSError as e:
-        raise ConfigError(expected(culprit, "a folder cgcompile can create and write",
-                                   f"{path!r} ({e.strerror} in {existing!r})", fix, raw=True)) from e
-    return folder
-
-
-def _held_op(op: Any) -> Any:
-    """The op object behind what `@torch.library.custom_op` returns (a CustomOpDef, the
-    object the user holds), else `op` itself."""
-    overload = getattr(op, "_opoverload", None)
-    return overload if isinstance(overload, torch._ops.OpOverload) else op
-
-
-def _capturable(entry: Any) -> str:
-    # normalize_op's own message would only ask for "ns::op"; a bare word is most likely
-    # a name for attention, which has its own keyword here.
-    expect(not isinstance(entry, str) or "::" in entry or entry == "attention", "capturable_split_ops",
-           '"attention" (every form of scaled-dot-product attention), an op object or "ns::op[.overload]"',
-           entry, 'write capturable_split_ops=("attention",) for SDPA', ConfigError)
-    return normalize_capturable(_held_op(entry))
-
-
-def _check_field_names(culprit: str, args: tuple, kwargs: dict) -> None:
-    """Refuse positional arguments and unknown names, listing the fields and the nearest one."""
-    fields = [f.name for f in dataclasses.fields(Config)]
-    if args:
-        raise ConfigError(expected(culprit, "keyword arguments only", f"{len(args)} positional argument(s)",
-                                   f"write Config(field=value); the fields are {fields}", raw=True))
-    for name in kwargs:
-        if name not in fields:
-            hint = closest(name, fields)
-            fix = f"{hint} The fields are {fields}." if hint else f"the fields are {fields}"
-            raise ConfigError(expected(culprit, "a Config field", f"unknown {name!r}", fix, raw=True))
+def flat_name(field: dataclasses.Field) -> str:
+    """The name a group's field has in `Config(...)`, the options dict and flat reads."""
+    return field.metadata["flat"] or field.name
 
 
 # -- one check per field: each raises ConfigError("field: expected X, got Y; do Z") -------
+# (the groups that use them follow; `option` names one per field)
 
 
 def _bool(name: str, value: Any) -> None:
@@ -297,7 +70,7 @@ def _optional_bool(name: str, value: Any) -> None:
            f"write {name}=None (automatic), True or False", ConfigError)
 
 
-def _count(fix: str = "") -> Callable[[str, Any], None]:
+def _count(fix: str = "") -> Check:
     def check(name: str, value: Any) -> None:
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         expect(ok, name, "a non-negative int", value, fix, ConfigError)
@@ -305,7 +78,7 @@ def _count(fix: str = "") -> Callable[[str, Any], None]:
     return check
 
 
-def _optional_text(fix: str) -> Callable[[str, Any], None]:
+def _optional_text(fix: str) -> Check:
     def check(name: str, value: Any) -> None:
         ok = value is None or (isinstance(value, (str, os.PathLike)) and os.fspath(value) != "")
         expect(ok, name, "None or a non-empty string", value, fix, ConfigError)
@@ -319,7 +92,7 @@ def _dump_dir(name: str, value: Any) -> None:
         check_dump_dir(name, value)
 
 
-def _choice(*choices: str) -> Callable[[str, Any], None]:
+def _choice(*choices: str) -> Check:
     def check(name: str, value: Any) -> None:
         fix = closest(value, choices) if isinstance(value, str) else ""
         expect(isinstance(value, str) and value in choices, name, f"one of {choices}", value, fix, ConfigError)
@@ -330,6 +103,34 @@ def _choice(*choices: str) -> Callable[[str, Any], None]:
 def _ops(name: str, value: Any) -> None:
     expect(isinstance(value, tuple), name, "a tuple or list of ops", value,
            f"write {name}=['ns::op'] even for one op", ConfigError)
+
+
+def _splitting_ops(name: str, value: Any) -> None:
+    _ops(name, value)
+    for op in value:  # every name is looked up now, not at the first compile
+        normalize_op(_held_op(op), name)
+
+
+def _capturable_ops(name: str, value: Any) -> None:
+    _ops(name, value)
+    for op in value:
+        _capturable(name, op)
+
+
+def _held_op(op: Any) -> Any:
+    """The op object behind what `@torch.library.custom_op` returns (a CustomOpDef, the
+    object the user holds), else `op` itself."""
+    overload = getattr(op, "_opoverload", None)
+    return overload if isinstance(overload, torch._ops.OpOverload) else op
+
+
+def _capturable(name: str, entry: Any) -> str:
+    # normalize_op's own message would only ask for "ns::op"; a bare word is most likely
+    # a name for attention, which has its own keyword here.
+    expect(not isinstance(entry, str) or "::" in entry or entry == "attention", name,
+           '"attention" (every form of scaled-dot-product attention), an op object or "ns::op[.overload]"',
+           entry, 'write capturable_split_ops=("attention",) for SDPA', ConfigError)
+    return normalize_capturable(_held_op(entry))
 
 
 def _capture_sizes(name: str, sizes: Any) -> None:
@@ -434,27 +235,445 @@ def _example(allowed: tuple[type, ...]) -> Any:
     return next((_EXAMPLES[t] for t in allowed if t in _EXAMPLES), None)
 
 
-_FIELD_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "splitting_ops": _ops,
-    "capture_sizes": _capture_sizes,
-    "compiler": _choice(*COMPILERS),
-    "cudagraphs": _optional_bool,
-    "dump_dir": _dump_dir,
-    "capture_input": _optional_text("name the input as in forward, e.g. capture_input='input_ids'"),
-    "capture_input_dim": _count("e.g. 1 for input_ids' dimension 1"),
-    "reuse_output_buffers": _bool,
-    "check_addresses": _bool,
-    "use_breakable": _bool,
-    "capture_error_mode": _choice("global", "thread_local", "relaxed"),
-    "cudnn_attention": _bool,
-    "fold_grouped_query": _bool,
-    "fuse_sibling_linears": _bool,
-    "padding": _optional_bool,
-    "exact_size_limit": _count("0 runs graphs that cannot be padded without CUDA graphs"),
-    "compile_sizes": _compile_sizes,
-    "inductor_options": _inductor_options,
-    "size_inductor_options": _inductor_options,
-    "capturable_split_ops": _ops,
-    "full_graph_compile": _bool,
-    "small_query_attention": _bool,
+
+
+# -- accepted spellings, stored in one form (hashable, frozen) -----------------------------
+
+
+def _as_tuple(name: str, value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _as_sizes(name: str, value: Any) -> Any:
+    """Sorted Python ints when every entry is an integer (numpy's included), else as given
+    for the check to refuse: the order of sizes means nothing."""
+    return _sorted_sizes(_as_tuple(name, value))
+
+
+def _as_option_pairs(name: str, value: Any) -> Any:
+    return _as_pairs(name, value) if isinstance(value, Mapping) else value
+
+
+# -- the groups --------------------------------------------------------------------------
+
+
+class _Group:
+    """What every group does when it is built: normalise each field, then check it."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            culprit = flat_name(field)  # the name most users wrote, and the one the docs list first
+            value = field.metadata["normalise"](culprit, getattr(self, field.name))
+            object.__setattr__(self, field.name, value)
+            field.metadata["check"](culprit, value)
+
+
+def _group(cls: type) -> type:
+    """`cls` as a frozen keyword-only dataclass whose unknown or positional arguments raise
+    ConfigError (with the nearest name), as Config's do."""
+    cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked_init(self, *args: Any, **kwargs: Any) -> None:
+        _check_names(cls.__name__, args, kwargs, [f.name for f in dataclasses.fields(cls)])
+        init(self, **kwargs)
+
+    cls.__init__ = checked_init
+    return cls
+
+
+@_group
+class Split(_Group):
+    """Where the Dynamo graph is split into pieces, and how the split ops run between them."""
+
+    splitting_ops: tuple[Any, ...] = option((), _splitting_ops, normalise=_as_tuple, doc="""
+        Ops to split at besides the defaults (attention in every form, flash-attn ops, ops tagged
+        `cudagraph_unsafe`): op objects (what `@torch.library.custom_op` returns too) or
+        "ns::op[.overload]". Every name is looked up when the Config is built.""")
+    cudnn_attention: bool = option(False, _bool, doc="""
+        Let scaled_dot_product_attention in the eager pieces use its cuDNN backend. Off by default:
+        cuDNN builds a plan for every new key length, and split attention sees a new length at
+        every decode step. See `cgcompile.ops`.""")
+
+
+@_group
+class Sizes(_Group):
+    """Which sizes of the capture dimension get CUDA graphs, and how calls of other sizes reach them."""
+
+    capture_sizes: tuple[int, ...] = option(DEFAULT_CAPTURE_SIZES, _capture_sizes, normalise=_as_sizes, doc="""
+        Sizes of the capture dimension that get a CUDA graph; a call of size n runs padded to the
+        smallest capture size >= n. Any order, any int type (numpy's too): stored as sorted Python
+        ints.""")
+    capture_input: str | None = option(None, _optional_text(
+        "name the input as in forward, e.g. capture_input='input_ids'"), doc="""
+        Which graph input holds the capture dimension, named as in the model's forward (e.g.
+        "input_ids"); None: the default rule of `cgcompile.passes.find_capture_dim`.""")
+    capture_input_dim: int = option(0, _count("e.g. 1 for input_ids' dimension 1"), doc="""
+        Which dimension of `capture_input` is the capture dimension.""")
+    padding: bool | None = option(None, _optional_bool, doc="""
+        None pads calls to the capture sizes when CUDA graphs are on; True pads them even without
+        graphs (on CPU too: how the tests exercise padding); False never pads (every graph is
+        captured at the exact sizes seen). A Dynamo graph whose capturable code mixes rows along
+        the capture dimension is never padded, whatever this says (see
+        `cgcompile.passes.padding_safety`). Breakable graphs, which have no graph to check, pad
+        only with True: the user's word that rows never mix.""")
+    exact_size_limit: int = option(32, _count("0 runs graphs that cannot be padded without CUDA graphs"), doc="""
+        A graph that runs at exact sizes (padding off, or unsafe to pad) captures one set of CUDA
+        graphs per distinct size: for each capture size, and for at most this many other sizes;
+        calls of further new sizes run its pieces without graphs (logged once).""")
+
+
+@_group
+class Compile(_Group):
+    """How the capturable pieces are compiled."""
+
+    compiler: str = option("inductor", _choice(*COMPILERS), doc="""
+        "eager" runs capturable pieces as FX code; "inductor" compiles each once.""")
+    compile_sizes: tuple[int, ...] = option((), _compile_sizes, normalise=_as_sizes, doc="""
+        Capture sizes whose pieces are also compiled with the capture dimension fixed (Inductor can
+        then pick kernels for that exact shape, e.g. a matrix-vector product at size 1); the graphs
+        of those sizes replay the specialised code, other sizes the general compile. Each adds one
+        compile per distinct piece, at the first call of that size (counted in
+        `stats.specialised_compilations`, its seconds in `stats.specialise_s`). Must be among
+        `capture_sizes`. See `cgcompile.compiler`.""")
+    inductor_options: tuple[tuple[str, Any], ...] = option((), _inductor_options, normalise=_as_option_pairs, doc="""
+        Inductor config patches for every compile of a piece, as a dict (e.g.
+        {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs. Autotuning
+        options lengthen the warm-up: coordinate_descent_tuning benchmarks the tile sizes of every
+        kernel, max_autotune_gemm the GEMM templates of every distinct shape. None are set by
+        default.""")
+    size_inductor_options: tuple[tuple[str, Any], ...] = option(
+        (), _inductor_options, normalise=_as_option_pairs, doc="""
+        Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
+        autotuning pays, since every shape there is fixed.""")
+
+
+@_group
+class Graphs(_Group):
+    """How the pieces' CUDA graphs are captured, and what a replay returns."""
+
+    cudagraphs: bool | None = option(None, _optional_bool, doc="""
+        None: on when the graph's tensors are on CUDA.""")
+    capture_error_mode: str = option("global", _choice("global", "thread_local", "relaxed"), doc="""
+        torch's check for unsafe CUDA calls during capture: "global", "thread_local" (other
+        threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".""")
+    reuse_output_buffers: bool = option(False, _bool, doc="""
+        Return the graphs' static output buffers instead of copies. Faster, but a later call
+        overwrites outputs the caller still holds.""")
+
+
+@_group
+class Rewrites(_Group):
+    """Rewrites of the Dynamo graph made before it is split. Results agree with eager to rounding,
+    not bit for bit."""
+
+    fold_grouped_query: bool = option(True, _bool, doc="""
+        Where a one-token query meets KV heads repeated for grouped-query attention (`repeat_kv`),
+        let SDPA read the un-repeated cache instead (see `cgcompile.passes.grouped_query`): two
+        copies of the cache per layer and step fewer. False keeps the model's own attention
+        calls.""")
+    fuse_sibling_linears: bool = option(False, _bool, doc="""
+        Linear layers that read the same input with parameter weights (q/k/v projections, gate and
+        up) run as one matmul over their concatenated weights (see
+        `cgcompile.passes.sibling_linears`): at decode sizes small projections run far below the
+        GPU's bandwidth, and one larger matmul does not. Costs memory: the concatenated weights are
+        copies (`stats.fused_weight_bytes`), kept equal to the parameters on every call
+        (`cgcompile.weights`; a write through `param.data` is not seen: call
+        `Backend.refresh_fused_weights()`). For inference: with grad on, parameters that require
+        grad are left out.""")
+
+
+@_group
+class FullGraph(_Group):
+    """One CUDA graph of the whole Dynamo graph, split ops included. A call replays it when every
+    host value and every input address the split ops read equals the captured one, else it runs
+    piecewise (see `cgcompile.full_graph`). `Config.full_graph` is None by default (always
+    piecewise); its options exist only inside this record, so none can be set without it. Flat
+    reads see `capturable_split_ops=()` and the defaults below when it is None."""
+
+    split_ops: tuple[Any, ...] = option(("attention",), _capturable_ops, flat="capturable_split_ops",
+                                        normalise=_as_tuple, doc="""
+        Split ops that may be captured into the full graph: "attention" (every form of
+        scaled-dot-product attention), op objects or "ns::op[.overload]" (see `cgcompile.ops`).
+        At least one.""")
+    compile: bool = option(False, _bool, flat="full_graph_compile", doc="""
+        Capture the whole Dynamo graph compiled by Inductor at its size (fused across what are
+        piece boundaries), at the cost of one compile of the whole graph per captured size, made at
+        that size's first capture (counted in `stats.full_graph_compilations`, its seconds in
+        `stats.full_graph_compile_s`). With compiler="eager" beside it, that is the only compile:
+        piecewise calls (a prefill) run the pieces as FX code. False: the full graph captures the
+        pieces' own code in order, with no compile beyond theirs.""")
+    small_query_attention: bool = option(False, _bool, doc="""
+        Attention calls of at most 16 query rows (decode) are compiled as two batched matmuls
+        around a float32 softmax, which spread over the whole GPU, instead of SDPA's kernels, which
+        walk the keys with one thread block per head (precision that of Hugging Face's eager
+        attention): inside the whole-graph compile with `compile`, else by compiling each eager
+        piece that holds such a call at the shapes of its capture (identical layers share one
+        compile). Piecewise calls are unchanged. Needs compiler="inductor" or `compile=True`
+        (flat: full_graph_compile=True). See `cgcompile.passes.small_query`.""")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect(len(self.split_ops) > 0, "capturable_split_ops", "at least one split op the full graph may capture",
+               self.split_ops, 'write FullGraph(split_ops=("attention",)), or full_graph=None for no full graphs',
+               ConfigError)
+
+
+@_group
+class Debug(_Group):
+    """Checks and dumps for finding out what cgcompile did."""
+
+    dump_dir: str | None = option(None, _dump_dir, doc="""
+        Write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR); "~" is expanded, and a
+        path that cannot be a writable folder is refused at once. Each Backend dumps into a folder
+        of its own: `DUMP_DIR` itself for the first, the first free `DUMP_DIR/run_<n>` for any
+        later one (see `cgcompile.dump.claim_run_folder`).""")
+    check_addresses: bool = option(False, _bool, doc="""
+        On every replay, check that inputs captured by address still live there, and raise naming
+        the piece and input if not. Without it, a call whose parameters moved runs without graphs
+        and graphs are captured again once the new addresses settle (`cgcompile.weights`).""")
+
+
+@_group
+class Manager(_Group):
+    """What `GraphManager` runs."""
+
+    use_breakable: bool = option(False, _bool, doc="""
+        The manager's default path: breakable CUDA graphs instead of compiled pieces; the
+        CGCOMPILE_USE_BREAKABLE environment variable (0 or 1) overrides it.""")
+
+
+# -- Config ------------------------------------------------------------------------------
+
+
+def _part(cls: type, optional: bool = False) -> Any:
+    """A Config field holding one group: its defaults, or None (off) where `optional`."""
+    if optional:
+        return dataclasses.field(default=None, metadata={"group": cls})
+    return dataclasses.field(default_factory=cls, metadata={"group": cls})
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Config:
+    """How cgcompile splits, compiles and captures a model: one frozen record per concern.
+
+    Write it with the flat names, as the torch.compile options dict does:
+    `Config(capture_sizes=(1, 2, 4, 8), compiler="eager")`; or by group:
+    `Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)))`, where a group may also be a dict of
+    its fields. Flat names given beside their group are applied on top of it, so
+    `dataclasses.replace(config, compiler="eager")` works. Every flat name reads back as an
+    attribute: `config.capture_sizes`.
+
+    The full-graph options exist only inside `full_graph`, None by default:
+    `Config(full_graph=FullGraph(compile=True))`, or flat,
+    `Config(capturable_split_ops=("attention",), full_graph_compile=True)`. A full-graph
+    option without `capturable_split_ops` is refused: there would be no full graph to apply
+    it to. Unknown names, wrong types and values that cannot work together raise
+    ConfigError when the Config is built.
+    """
+
+    split: Split = _part(Split)
+    sizes: Sizes = _part(Sizes)
+    compile: Compile = _part(Compile)
+    graphs: Graphs = _part(Graphs)
+    rewrites: Rewrites = _part(Rewrites)
+    full_graph: FullGraph | None = _part(FullGraph, optional=True)
+    debug: Debug = _part(Debug)
+    manager: Manager = _part(Manager)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _check_names("Config", args, kwargs, _NAMES)
+        for part in dataclasses.fields(self):
+            flat = {field: kwargs[name] for name, (group, field) in FLAT_NAMES.items()
+                    if group == part.name and name in kwargs}
+            object.__setattr__(self, part.name, _build_part(part, kwargs.get(part.name, _UNSET), flat))
+        _check_across_parts(self)
+
+    @functools.cached_property
+    def split_ops(self) -> SplitOps:
+        return SplitOps(frozenset(normalize_op(_held_op(op)) for op in self.split.splitting_ops))
+
+    @functools.cached_property
+    def capturable_ops(self) -> CapturableOps:
+        ops = self.full_graph.split_ops if self.full_graph else ()
+        return CapturableOps(frozenset(_capturable("capturable_split_ops", op) for op in ops))
+
+    @property
+    def max_capture_size(self) -> int:
+        return max(self.sizes.capture_sizes)
+
+    def pads(self, cudagraphs: bool) -> bool:
+        """Whether calls are padded to the capture sizes, for a graph with graphs on or off."""
+        return cudagraphs if self.sizes.padding is None else self.sizes.padding
+
+    def resolved_dump_dir(self) -> str | None:
+        """`dump_dir`, or the CGCOMPILE_DUMP_DIR environment variable (read here only), with
+        "~" expanded; a path that cannot be a writable folder raises ConfigError."""
+        if self.debug.dump_dir:
+            return os.path.expanduser(os.fspath(self.debug.dump_dir))
+        value = os.environ.get(DUMP_DIR_ENV)
+        return check_dump_dir(DUMP_DIR_ENV, value) if value else None
+
+    def resolved_use_breakable(self) -> bool:
+        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only).
+
+        `as_config` calls it when a Backend or GraphManager is built, so a malformed value
+        is refused on every path, not only on the one that uses it.
+        """
+        value = os.environ.get(USE_BREAKABLE_ENV)
+        if value is None or value == "":
+            return self.manager.use_breakable
+        expect(value in ("0", "1"), USE_BREAKABLE_ENV, "0 or 1", value,
+               f"unset it or write {USE_BREAKABLE_ENV}=1 for breakable graphs, 0 for compiled pieces", ConfigError)
+        return value == "1"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
+        """Build from `torch.compile(..., options={...})`: the keys are Config's flat names or
+        groups, checked exactly as `Config(**options)` checks them (lists accepted for tuples)."""
+        expect(options is None or isinstance(options, Mapping), "options", "a dict of Config fields", options,
+               "write options={'compiler': 'eager'}", ConfigError)
+        options = dict(options or {})
+        _check_names("options", (), options, _NAMES)
+        return cls(**options)
+
+
+def _build_part(part: dataclasses.Field, given: Any, flat: dict[str, Any]) -> Any:
+    """One group of a Config: the one given (a record or a dict of its fields) or the
+    defaults, with the flat names given beside it applied on top."""
+    cls = part.metadata["group"]
+    if part.default is None:
+        return _full_graph(_given_part(part.name, cls, given, optional=True), flat)
+    base = cls() if given is _UNSET else _given_part(part.name, cls, given)
+    return dataclasses.replace(base, **flat) if flat else base
+
+
+def _given_part(name: str, cls: type, value: Any, optional: bool = False) -> Any:
+    if value is _UNSET or (optional and value is None):
+        return None
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    wanted = f"a {cls.__name__}{', None' if optional else ''} or a dict of its fields"
+    raise ConfigError(expected(name, wanted, value, f"write {name}=cgcompile.config.{cls.__name__}(...)"))
+
+
+def _full_graph(given: FullGraph | None, flat: dict[str, Any]) -> FullGraph | None:
+    """The full-graph record, from `full_graph=` with the flat names on top: None when no
+    split op may be captured, and then no other full-graph option may be set (it would
+    be ignored)."""
+    if not flat:
+        return given
+    fields = {f.name: f for f in dataclasses.fields(FullGraph)}
+    values = {**({n: getattr(given, n) for n in fields} if given else _FULL_GRAPH_OFF), **flat}
+    if not (isinstance(values["split_ops"], (tuple, list)) and len(values["split_ops"]) == 0):
+        return FullGraph(**values)
+    ignored = {flat_name(fields[n]): v for n, v in values.items() if n != "split_ops" and v != _FULL_GRAPH_OFF[n]}
+    for name, value in ignored.items():  # a wrong type is named as such first
+        _check_value(fields[FLAT_NAMES[name][1]], name, value)
+    given_text = ", ".join(f"{n}={v!r}" for n, v in ignored.items())
+    expect(not ignored, ", ".join(ignored), "capturable_split_ops beside it (the split ops a full graph may "
+           "capture; without them there is no full graph to apply it to)",
+           f"{given_text} without capturable_split_ops",
+           f'add capturable_split_ops=("attention",), or leave {" and ".join(ignored)} out', ConfigError, raw=True)
+    return None
+
+
+def _check_value(field: dataclasses.Field, culprit: str, value: Any) -> None:
+    field.metadata["check"](culprit, field.metadata["normalise"](culprit, value))
+
+
+def _check_across_parts(config: Config) -> None:
+    """The checks that read two groups: each group has checked its own fields."""
+    _check_compile_sizes(config.compile.compile_sizes, config.sizes.capture_sizes)
+    full = config.full_graph
+    expect(full is None or not full.small_query_attention or full.compile or config.compile.compiler == "inductor",
+           "small_query_attention", 'compiler="inductor" or full_graph_compile=True beside it (the lowered '
+           'attention is compiled)', f"compiler={config.compile.compiler!r}",
+           'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
+           ConfigError, raw=True)
+
+
+def _check_names(culprit: str, args: tuple, kwargs: Mapping, names: list[str]) -> None:
+    """Refuse positional arguments and unknown names, listing the names and the nearest one."""
+    if args:
+        raise ConfigError(expected(culprit, "keyword arguments only", f"{len(args)} positional argument(s)",
+                                   f"write {culprit}(field=value); the fields are {names}", raw=True))
+    for name in kwargs:
+        if name not in names:
+            hint = closest(name, names)
+            fix = f"{hint} The fields are {names}." if hint else f"the fields are {names}"
+            what = "a Config field" if culprit in ("Config", "options") else f"a {culprit} field"
+            raise ConfigError(expected(culprit, what, f"unknown {name!r}", fix, raw=True))
+
+
+# Every flat name, mapped to (the Config field of its group, its name in the group).
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    flat_name(field): (part.name, field.name)
+    for part in dataclasses.fields(Config) for field in dataclasses.fields(part.metadata["group"])
 }
+_NAMES = [*FLAT_NAMES, *(part.name for part in dataclasses.fields(Config))]
+# What flat reads see where `full_graph` is None: no capturable ops, every other option at its default.
+_FULL_GRAPH_OFF = {**{f.name: f.default for f in dataclasses.fields(FullGraph)}, "split_ops": ()}
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<its defaults>"
+
+
+_UNSET = _Unset()
+
+
+def _flat_reader(part: str, name: str) -> property:
+    def read(self: Config) -> Any:
+        group = getattr(self, part)
+        return _FULL_GRAPH_OFF[name] if group is None else getattr(group, name)
+
+    return property(read, doc=f"`Config.{part}.{name}`, read flat.")
+
+
+for _flat, (_part_name, _name) in FLAT_NAMES.items():
+    assert not hasattr(Config, _flat), f"the flat name {_flat} hides a Config attribute"
+    setattr(Config, _flat, _flat_reader(_part_name, _name))
+Config.__init__.__signature__ = inspect.Signature(  # what help(Config) and editors show
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
+    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(Config(), name)) for name in FLAT_NAMES]
+    + [inspect.Parameter(part.name, inspect.Parameter.KEYWORD_ONLY, default=_UNSET if part.default else None)
+       for part in dataclasses.fields(Config)])
+
+
+def as_config(config: Any, culprit: str) -> Config:
+    """The `config` argument of an entry point (a Config, or None for the defaults), with the
+    environment checked too: a malformed CGCOMPILE_USE_BREAKABLE is refused on every path."""
+    fix = "write Config(**options) or Config.from_options(options)" if isinstance(config, Mapping) else ""
+    expect(config is None or isinstance(config, Config), f"{culprit}: config", "a cgcompile.Config or None",
+           config, fix, ConfigError)
+    config = config or Config()
+    config.resolved_use_breakable()
+    config.resolved_dump_dir()
+    return config
+
+
+def check_dump_dir(culprit: str, path: Any) -> str:
+    """`path` with "~" expanded, checked to be a folder cgcompile can make and write now.
+
+    Nothing is left behind: the nearest existing folder on the path gets a probe folder
+    that is removed at once (permission bits alone cannot tell: /proc is writable to root
+    by its bits, but nothing can be made there)."""
+    folder = os.path.expanduser(os.fspath(path))
+    existing = os.path.abspath(folder)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    fix = "choose a folder you can write, e.g. dump_dir='~/cgcompile_dump'"
+    if not os.path.isdir(existing):
+        where = "a file" if existing == os.path.abspath(folder) else f"a path under the file {existing!r}"
+        raise ConfigError(expected(culprit, "a folder path", f"{path!r}, {where}", fix, raw=True))
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".cgcompile_probe_", dir=existing))
+    except OSError as e:
+        raise ConfigError(expected(culprit, "a folder cgcompile can create and write",
+                                   f"{path!r} ({e.strerror} in {existing!r})", fix, raw=True)) from e
+    return folder

@@ -22,6 +22,7 @@ from torch import nn
 import cgcompile
 from cgcompile import ArgumentError, CaptureError, CGCompileError, Config, ConfigError, StateError
 from cgcompile import aot_capture
+from cgcompile.config import FLAT_NAMES
 from cgcompile.inspect import summaries
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
@@ -115,10 +116,21 @@ ROWS = {
     "input dim bool": Row(lambda w: Config(capture_input_dim=True), ConfigError, "capture_input_dim"),
     "input int": Row(lambda w: Config(capture_input=0), ConfigError, "capture_input"),
     "size limit negative": Row(lambda w: Config(exact_size_limit=-1), ConfigError, "exact_size_limit"),
+    # options that mean something only together: a full-graph option needs capturable ops
+    "whole compile without full graph": Row(lambda w: Config(full_graph_compile=True), ConfigError,
+                                            "full_graph_compile", 'add capturable_split_ops=("attention",)'),
+    "small query without full graph": Row(lambda w: Config(compiler="eager", small_query_attention=True), ConfigError,
+                                          "small_query_attention", "without capturable_split_ops"),
+    "group misspelt field": Row(lambda w: Config(sizes={"capture_size": (1, 2)}), ConfigError, "'capture_size'",
+                                "did you mean 'capture_sizes'?"),
+    "group of the wrong type": Row(lambda w: Config(full_graph="attention"), ConfigError, "full_graph",
+                                   "a FullGraph, None or a dict of its fields"),
     # torch.compile(..., options=...): the same checks (Dynamo wraps them; the rows unwrap)
     "options unknown": Row(compile_with({"compiler": "eager", "bogus": 1}), ConfigError, "'bogus'", "the fields are"),
     "options bool as string": Row(compile_with({"use_breakable": "false"}), ConfigError, "use_breakable"),
     "options not a dict": Row(lambda w: Config.from_options(["compiler"]), ConfigError, "options", "a dict"),
+    "options whole compile alone": Row(compile_with({"compiler": "eager", "full_graph_compile": True}), ConfigError,
+                                       "full_graph_compile", "without capturable_split_ops"),
     # the environment variable, refused on every path
     "env manager": Row(lambda w: cgcompile.GraphManager(w.model), ConfigError, "CGCOMPILE_USE_BREAKABLE",
                        "got 'maybe'", env="maybe"),
@@ -263,9 +275,9 @@ def test_at_least_the_issues_28_wrong_uses():
 
 
 def test_every_config_field_is_type_checked():
-    for field in dataclasses.fields(Config):
-        with pytest.raises(ConfigError, match=f"^{field.name}: expected "):
-            Config(**{field.name: object()})
+    for name in [*FLAT_NAMES, *(part.name for part in dataclasses.fields(Config))]:  # flat names and groups
+        with pytest.raises(ConfigError, match=f"^{name}: expected (?!capturable_split_ops beside)"):
+            Config(**{name: object()})
 
 
 def test_wrong_shapes_error_is_chained_to_the_cause(monkeypatch):

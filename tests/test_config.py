@@ -1,12 +1,16 @@
 """Config: defaults, validation at construction, and the split-op predicate it builds."""
 
 import dataclasses
+import importlib.util
+import inspect
+import pathlib
 
 import pytest
 import torch
 
 import cgcompile
 from cgcompile import Config, ConfigError
+from cgcompile.config import FLAT_NAMES, Compile, FullGraph, Sizes
 from cgcompile.testing.models import SILLY_OP
 
 
@@ -138,3 +142,109 @@ def test_each_backend_dumps_into_a_folder_of_its_own(tmp_path):
 def test_dump_dir_expands_the_home_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert Config(dump_dir="~/dump").resolved_dump_dir() == str(tmp_path / "dump")
+
+
+# -- groups: one record per concern, flat names derived from them ------------------------
+
+FULL = ("attention",)
+
+
+def test_flat_names_and_groups_build_the_same_config():
+    flat = Config(capture_sizes=(1, 2), compiler="eager", capturable_split_ops=FULL, full_graph_compile=True)
+    grouped = Config(sizes=Sizes(capture_sizes=(1, 2)), compile=Compile(compiler="eager"),
+                     full_graph=FullGraph(split_ops=FULL, compile=True))
+    as_dicts = Config.from_options({"sizes": {"capture_sizes": [1, 2]}, "compile": {"compiler": "eager"},
+                                    "full_graph": {"compile": True}})
+    assert flat == grouped == as_dicts and hash(flat) == hash(grouped)
+    assert flat.full_graph == FullGraph(split_ops=FULL, compile=True, small_query_attention=False)
+
+
+def test_every_flat_name_reads_its_group_field():
+    config = Config(full_graph=FullGraph(compile=True))
+    for name, (part, field) in FLAT_NAMES.items():
+        assert getattr(config, name) == getattr(getattr(config, part), field), name
+    assert (config.capturable_split_ops, config.full_graph_compile) == (FULL, True)
+    # no full graph: the flat reads see no capturable ops and the other options off
+    assert Config().full_graph is None
+    assert (Config().capturable_split_ops, Config().full_graph_compile, Config().small_query_attention) == ((), False, False)
+
+
+def test_the_flat_names_come_from_the_group_declarations():
+    declared = [(part.name, f.name) for part in dataclasses.fields(Config)
+                for f in dataclasses.fields(part.metadata["group"])]
+    assert sorted(FLAT_NAMES.values()) == sorted(declared)  # each group field has one flat name, none twice
+    assert FLAT_NAMES["capturable_split_ops"] == ("full_graph", "split_ops")
+    assert FLAT_NAMES["capture_sizes"] == ("sizes", "capture_sizes")
+    assert set(inspect.signature(Config).parameters) == set(FLAT_NAMES) | {p.name for p in dataclasses.fields(Config)}
+
+
+def test_flat_names_beside_their_group_are_applied_on_top():
+    config = Config(sizes=Sizes(capture_sizes=(4,), padding=True), capture_sizes=(1, 2))
+    assert config.sizes == Sizes(capture_sizes=(1, 2), padding=True)
+    assert dataclasses.replace(config, compiler="eager").compiler == "eager"
+    whole = Config(full_graph=FullGraph(compile=True))
+    assert dataclasses.replace(whole, full_graph_compile=False).full_graph == FullGraph()
+    assert dataclasses.replace(whole, full_graph=None).full_graph is None
+    with pytest.raises(ConfigError, match=r"^full_graph_compile: expected capturable_split_ops beside it"):
+        dataclasses.replace(whole, capturable_split_ops=())  # would leave compile=True with nothing to apply to
+
+
+@pytest.mark.parametrize("flat, culprit, got", [
+    ({"full_graph_compile": True}, "full_graph_compile", "full_graph_compile=True"),
+    ({"small_query_attention": True}, "small_query_attention", "small_query_attention=True"),
+    ({"full_graph_compile": True, "small_query_attention": True, "capturable_split_ops": []},
+     "full_graph_compile, small_query_attention", "full_graph_compile=True, small_query_attention=True"),
+])
+def test_a_full_graph_option_without_capturable_split_ops_is_refused(flat, culprit, got):
+    message = (f"^{culprit}: expected capturable_split_ops beside it .*, got {got} without capturable_split_ops; "
+               r'add capturable_split_ops=\("attention",\), or leave ')
+    with pytest.raises(ConfigError, match=message):
+        Config(**flat)
+    with pytest.raises(ConfigError, match=message):
+        Config.from_options(flat)
+
+
+def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
+    assert Config(full_graph_compile=False, small_query_attention=False, capturable_split_ops=()).full_graph is None
+    assert Config(full_graph=None) == Config()
+
+
+def test_a_full_graph_needs_a_split_op_to_capture():
+    with pytest.raises(ConfigError, match=r'^capturable_split_ops: expected at least one split op .*got \(\) \(tuple\); '
+                                          r'write FullGraph\(split_ops=\("attention",\)\), or full_graph=None'):
+        FullGraph(split_ops=())
+    assert FullGraph().split_ops == FULL and FullGraph(split_ops=["attention"]).split_ops == FULL
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: Config(sizes={"capture_size": (1, 2)}),
+     r"^Sizes: expected a Sizes field, got unknown 'capture_size'; did you mean 'capture_sizes'\?"),
+    (lambda: Sizes((1, 2)), r"^Sizes: expected keyword arguments only, got 1 positional"),
+    (lambda: Config(sizes=(1, 2)), r"^sizes: expected a Sizes or a dict of its fields, got \(1, 2\) \(tuple\)"),
+    (lambda: Config(full_graph=True), r"^full_graph: expected a FullGraph, None or a dict of its fields, got True"),
+    (lambda: FullGraph(compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
+    (lambda: Config(full_graph_compile="yes"), r"^full_graph_compile: expected True or False, got 'yes'"),
+    (lambda: Config(compile={"compiler": "tvm"}), r"^compiler: expected one of \('eager', 'inductor'\)"),
+])
+def test_groups_are_checked_as_the_flat_names_are(build, message):
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_small_query_attention_needs_a_compile_in_either_form():
+    message = r'^small_query_attention: expected compiler="inductor" or full_graph_compile=True beside it'
+    with pytest.raises(ConfigError, match=message):
+        Config(compiler="eager", full_graph=FullGraph(small_query_attention=True))
+    Config(compiler="eager", full_graph=FullGraph(small_query_attention=True, compile=True))
+
+
+def test_docs_config_md_is_generated_from_the_declarations():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("config_docs", root / "tools" / "config_docs.py")
+    config_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(config_docs)
+    text = config_docs.render()
+    assert (root / "docs" / "config.md").read_text() == text, \
+        "docs/config.md is out of date: run python tools/config_docs.py > docs/config.md"
+    for name in FLAT_NAMES:
+        assert f"`{name}`" in text, name

@@ -132,8 +132,9 @@ def test_the_pass_leaves_a_symbolic_row_count_alone():
 
 def test_small_query_attention_needs_inductor():
     with pytest.raises(ConfigError, match='small_query_attention: expected compiler="inductor" or full_graph_comp'):
-        cgcompile.Config(compiler="eager", small_query_attention=True)
-    cgcompile.Config(compiler="eager", small_query_attention=True, full_graph_compile=True)  # compiled whole
+        cgcompile.Config(compiler="eager", capturable_split_ops=("attention",), small_query_attention=True)
+    cgcompile.Config(compiler="eager", capturable_split_ops=("attention",), small_query_attention=True,
+                     full_graph_compile=True)  # compiled whole
 
 
 @pytest.mark.parametrize("whole, compiler", [(True, "inductor"), (False, "inductor"), (True, "eager")])
