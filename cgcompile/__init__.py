@@ -16,7 +16,7 @@ if importlib.util.find_spec(f"{__name__}.passes") is None:  # pyproject's packag
 from .backend import Backend, CaptureMemoryProfile, backend_of
 from .breakable import BreakableRunner, eager_break
 from .capture import GraphPool
-from .config import Config
+from .config import Compile, Config, Debug, FullGraphOptions, Graphs, Manager, Rewrites, Sizes, Split
 from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError, StateError
 from .manager import GraphManager
 from .memory_plan import MemoryPlan, SizePlan
@@ -31,7 +31,15 @@ __all__ = [
     "CaptureMemoryProfile",
     "CaptureError",
     "CGCompileError",
+    "Compile",
     "Config",
+    "Debug",
+    "FullGraphOptions",
+    "Graphs",
+    "Manager",
+    "Rewrites",
+    "Sizes",
+    "Split",
     "ConfigError",
     "DistributedError",
     "GraphManager",

@@ -1,7 +1,7 @@
 """The one frozen configuration object, grouped by concern and validated when it is built.
 
 `Config` holds one small frozen record per concern (`Split`, `Sizes`, `Compile`, `Graphs`,
-`Rewrites`, `FullGraph`, `Debug`, `Manager`). Each field is declared once, with its doc,
+`Rewrites`, `FullGraphOptions`, `Debug`, `Manager`). Each field is declared once, with its doc,
 its check and its flat name, by `option`; everything else is derived from those
 declarations: the flat keywords `Config(capture_sizes=...)` and the torch.compile options
 dict accept, the flat attributes the engine reads (`config.capture_sizes`), the checks
@@ -385,7 +385,7 @@ class Rewrites(_Group):
 
 
 @_group
-class FullGraph(_Group):
+class FullGraphOptions(_Group):
     """One CUDA graph of the whole Dynamo graph, split ops included. A call replays it when every
     host value and every input address the split ops read equals the captured one, else it runs
     piecewise (see `cgcompile.full_graph`). `Config.full_graph` is None by default (always
@@ -416,7 +416,7 @@ class FullGraph(_Group):
     def __post_init__(self) -> None:
         super().__post_init__()
         expect(len(self.split_ops) > 0, "capturable_split_ops", "at least one split op the full graph may capture",
-               self.split_ops, 'write FullGraph(split_ops=("attention",)), or full_graph=None for no full graphs',
+               self.split_ops, 'write FullGraphOptions(split_ops=("attention",)), or full_graph=None for no full graphs',
                ConfigError)
 
 
@@ -466,7 +466,7 @@ class Config:
     attribute: `config.capture_sizes`.
 
     The full-graph options exist only inside `full_graph`, None by default:
-    `Config(full_graph=FullGraph(compile=True))`, or flat,
+    `Config(full_graph=FullGraphOptions(compile=True))`, or flat,
     `Config(capturable_split_ops=("attention",), full_graph_compile=True)`. A full-graph
     option without `capturable_split_ops` is refused: there would be no full graph to apply
     it to. Unknown names, wrong types and values that cannot work together raise
@@ -478,7 +478,7 @@ class Config:
     compile: Compile = _part(Compile)
     graphs: Graphs = _part(Graphs)
     rewrites: Rewrites = _part(Rewrites)
-    full_graph: FullGraph | None = _part(FullGraph, optional=True)
+    full_graph: FullGraphOptions | None = _part(FullGraphOptions, optional=True)
     debug: Debug = _part(Debug)
     manager: Manager = _part(Manager)
 
@@ -560,16 +560,16 @@ def _given_part(name: str, cls: type, value: Any, optional: bool = False) -> Any
     raise ConfigError(expected(name, wanted, value, f"write {name}=cgcompile.config.{cls.__name__}(...)"))
 
 
-def _full_graph(given: FullGraph | None, flat: dict[str, Any]) -> FullGraph | None:
+def _full_graph(given: FullGraphOptions | None, flat: dict[str, Any]) -> FullGraphOptions | None:
     """The full-graph record, from `full_graph=` with the flat names on top: None when no
     split op may be captured, and then no other full-graph option may be set (it would
     be ignored)."""
     if not flat:
         return given
-    fields = {f.name: f for f in dataclasses.fields(FullGraph)}
+    fields = {f.name: f for f in dataclasses.fields(FullGraphOptions)}
     values = {**({n: getattr(given, n) for n in fields} if given else _FULL_GRAPH_OFF), **flat}
     if not (isinstance(values["split_ops"], (tuple, list)) and len(values["split_ops"]) == 0):
-        return FullGraph(**values)
+        return FullGraphOptions(**values)
     ignored = {flat_name(fields[n]): v for n, v in values.items() if n != "split_ops" and v != _FULL_GRAPH_OFF[n]}
     for name, value in ignored.items():  # a wrong type is named as such first
         _check_value(fields[FLAT_NAMES[name][1]], name, value)
@@ -616,7 +616,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
 }
 _NAMES = [*FLAT_NAMES, *(part.name for part in dataclasses.fields(Config))]
 # What flat reads see where `full_graph` is None: no capturable ops, every other option at its default.
-_FULL_GRAPH_OFF = {**{f.name: f.default for f in dataclasses.fields(FullGraph)}, "split_ops": ()}
+_FULL_GRAPH_OFF = {**{f.name: f.default for f in dataclasses.fields(FullGraphOptions)}, "split_ops": ()}
 
 
 class _Unset:

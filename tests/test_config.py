@@ -10,7 +10,7 @@ import torch
 
 import cgcompile
 from cgcompile import Config, ConfigError
-from cgcompile.config import FLAT_NAMES, Compile, FullGraph, Sizes
+from cgcompile.config import FLAT_NAMES, Compile, FullGraphOptions, Sizes
 from cgcompile.testing.models import SILLY_OP
 
 
@@ -152,15 +152,15 @@ FULL = ("attention",)
 def test_flat_names_and_groups_build_the_same_config():
     flat = Config(capture_sizes=(1, 2), compiler="eager", capturable_split_ops=FULL, full_graph_compile=True)
     grouped = Config(sizes=Sizes(capture_sizes=(1, 2)), compile=Compile(compiler="eager"),
-                     full_graph=FullGraph(split_ops=FULL, compile=True))
+                     full_graph=FullGraphOptions(split_ops=FULL, compile=True))
     as_dicts = Config.from_options({"sizes": {"capture_sizes": [1, 2]}, "compile": {"compiler": "eager"},
                                     "full_graph": {"compile": True}})
     assert flat == grouped == as_dicts and hash(flat) == hash(grouped)
-    assert flat.full_graph == FullGraph(split_ops=FULL, compile=True, small_query_attention=False)
+    assert flat.full_graph == FullGraphOptions(split_ops=FULL, compile=True, small_query_attention=False)
 
 
 def test_every_flat_name_reads_its_group_field():
-    config = Config(full_graph=FullGraph(compile=True))
+    config = Config(full_graph=FullGraphOptions(compile=True))
     for name, (part, field) in FLAT_NAMES.items():
         assert getattr(config, name) == getattr(getattr(config, part), field), name
     assert (config.capturable_split_ops, config.full_graph_compile) == (FULL, True)
@@ -182,8 +182,8 @@ def test_flat_names_beside_their_group_are_applied_on_top():
     config = Config(sizes=Sizes(capture_sizes=(4,), padding=True), capture_sizes=(1, 2))
     assert config.sizes == Sizes(capture_sizes=(1, 2), padding=True)
     assert dataclasses.replace(config, compiler="eager").compiler == "eager"
-    whole = Config(full_graph=FullGraph(compile=True))
-    assert dataclasses.replace(whole, full_graph_compile=False).full_graph == FullGraph()
+    whole = Config(full_graph=FullGraphOptions(compile=True))
+    assert dataclasses.replace(whole, full_graph_compile=False).full_graph == FullGraphOptions()
     assert dataclasses.replace(whole, full_graph=None).full_graph is None
     with pytest.raises(ConfigError, match=r"^full_graph_compile: expected capturable_split_ops beside it"):
         dataclasses.replace(whole, capturable_split_ops=())  # would leave compile=True with nothing to apply to
@@ -211,9 +211,9 @@ def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
 
 def test_a_full_graph_needs_a_split_op_to_capture():
     with pytest.raises(ConfigError, match=r'^capturable_split_ops: expected at least one split op .*got \(\) \(tuple\); '
-                                          r'write FullGraph\(split_ops=\("attention",\)\), or full_graph=None'):
-        FullGraph(split_ops=())
-    assert FullGraph().split_ops == FULL and FullGraph(split_ops=["attention"]).split_ops == FULL
+                                          r'write FullGraphOptions\(split_ops=\("attention",\)\), or full_graph=None'):
+        FullGraphOptions(split_ops=())
+    assert FullGraphOptions().split_ops == FULL and FullGraphOptions(split_ops=["attention"]).split_ops == FULL
 
 
 @pytest.mark.parametrize("build, message", [
@@ -221,8 +221,8 @@ def test_a_full_graph_needs_a_split_op_to_capture():
      r"^Sizes: expected a Sizes field, got unknown 'capture_size'; did you mean 'capture_sizes'\?"),
     (lambda: Sizes((1, 2)), r"^Sizes: expected keyword arguments only, got 1 positional"),
     (lambda: Config(sizes=(1, 2)), r"^sizes: expected a Sizes or a dict of its fields, got \(1, 2\) \(tuple\)"),
-    (lambda: Config(full_graph=True), r"^full_graph: expected a FullGraph, None or a dict of its fields, got True"),
-    (lambda: FullGraph(compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
+    (lambda: Config(full_graph=True), r"^full_graph: expected a FullGraphOptions, None or a dict of its fields, got True"),
+    (lambda: FullGraphOptions(compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
     (lambda: Config(full_graph_compile="yes"), r"^full_graph_compile: expected True or False, got 'yes'"),
     (lambda: Config(compile={"compiler": "tvm"}), r"^compiler: expected one of \('eager', 'inductor'\)"),
 ])
@@ -234,8 +234,8 @@ def test_groups_are_checked_as_the_flat_names_are(build, message):
 def test_small_query_attention_needs_a_compile_in_either_form():
     message = r'^small_query_attention: expected compiler="inductor" or full_graph_compile=True beside it'
     with pytest.raises(ConfigError, match=message):
-        Config(compiler="eager", full_graph=FullGraph(small_query_attention=True))
-    Config(compiler="eager", full_graph=FullGraph(small_query_attention=True, compile=True))
+        Config(compiler="eager", full_graph=FullGraphOptions(small_query_attention=True))
+    Config(compiler="eager", full_graph=FullGraphOptions(small_query_attention=True, compile=True))
 
 
 def test_docs_config_md_is_generated_from_the_declarations():

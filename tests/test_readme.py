@@ -12,6 +12,7 @@ import re
 import pytest
 
 import cgcompile
+from cgcompile.config import FLAT_NAMES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -86,7 +87,7 @@ def test_dotted_names_resolve(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_config_keywords_exist(page):
-    fields = {field.name for field in dataclasses.fields(cgcompile.Config)}
+    fields = {field.name for field in dataclasses.fields(cgcompile.Config)} | set(FLAT_NAMES)  # groups and flat names
     used = {kw for args in _names(CONFIG_CALL, page) for kw in KEYWORD.findall(args)}
     assert used <= fields, f"{page.name}: expected Config fields, got unknown keywords {sorted(used - fields)}"
 

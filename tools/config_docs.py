@@ -22,12 +22,12 @@ DOC_PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 _EXAMPLE = """\
 ```python
 import cgcompile
-from cgcompile.config import FullGraph, Sizes
+from cgcompile.config import FullGraphOptions, Sizes
 
 # flat names, as torch.compile(..., options={...}) takes them
 cgcompile.Config(capture_sizes=(1, 2, 4, 8), capturable_split_ops=("attention",), full_graph_compile=True)
 # the same Config, by group
-cgcompile.Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)), full_graph=FullGraph(compile=True))
+cgcompile.Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)), full_graph=FullGraphOptions(compile=True))
 ```"""
 
 
