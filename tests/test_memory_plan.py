@@ -8,12 +8,15 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 import cgcompile
 from cgcompile import ArgumentError, Config, MemoryPlan, SizePlan
 from cgcompile.memory_plan import fitting_sizes, format_plan, read_plans, write_plan
 from cgcompile.buffers import PaddingTable
 from cgcompile.testing.models import SILLY_OP, ToyLlama
+
+from helpers import private_pools, tiny_model
 
 SIZES = (2, 4, 8)
 
@@ -241,10 +244,7 @@ def _decoder(compiler="inductor", n_layers=4, **cfg):
 
 
 def _vit(compiler, **cfg):
-    torch.manual_seed(0)
-    config = ViTConfig(image_size=64, patch_size=8, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                       intermediate_size=1024, attn_implementation="sdpa")
-    model = ViTModel(config, add_pooling_layer=False).cuda().eval()
+    model = tiny_model("vit", 4, device="cuda")
     backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capture_sizes=IMAGES, **cfg))
     compiled = torch.compile(model, backend=backend)
     compiled(_pixels(3, dynamic=True))
