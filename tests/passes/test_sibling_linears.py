@@ -154,7 +154,7 @@ def sibling_bytes(model) -> int:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_generate_with_fused_linears(arch):
-    """Greedy tokens equal eager's (three Dynamo graphs: see test_hf_generate.py); the
+    """Greedy tokens equal eager's (three Dynamo graphs: see tests/test_hf_generate.py); the
     graphs share one copy of each fused weight."""
     model = tiny_model(arch)
     backend = compile_and_match_eager(model, 2, fuse_sibling_linears=True)
