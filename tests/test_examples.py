@@ -3,7 +3,7 @@
     # cgcompile-example: needs-cuda
 
 An example that runs on several ranks says `# cgcompile-example: needs-torchrun`; it is
-run under torchrun by tests/test_distributed.py instead.
+run under torchrun by tests/parallel/test_distributed.py instead.
 """
 
 import pathlib
@@ -21,7 +21,7 @@ NEEDS_TORCHRUN = "# cgcompile-example: needs-torchrun"
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(example):
     if NEEDS_TORCHRUN in example.read_text().splitlines():
-        pytest.skip(f"{example.name} runs on 2 ranks: tests/test_distributed.py runs it under torchrun")
+        pytest.skip(f"{example.name} runs on 2 ranks: tests/parallel/test_distributed.py runs it under torchrun")
     if NEEDS_CUDA in example.read_text().splitlines() and not torch.cuda.is_available():
         pytest.skip(f"{example.name} needs a CUDA GPU; torch.cuda.is_available() is False")
     result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)

@@ -1,9 +1,10 @@
-"""Full graphs beside piecewise, chosen per call (CPU): the declaration, the plan, the choice.
+"""Full graphs beside piecewise, chosen per call: the declaration, the plan, the choice.
 
 Without CUDA the full path runs the whole graph as one function, and the same choice
 logic decides per call which path runs: these tests check its decisions and reasons,
-and that both paths give eager's answers exactly. tests/test_cuda_full_graph.py
-replays real graphs.
+and that both paths give eager's answers exactly. The CUDA tests (marked `cuda`, at the end)
+replay real graphs: the whole step, split ops included, must give eager's results, and a
+call whose host-side value changed must not replay.
 """
 
 import copy
@@ -420,3 +421,93 @@ def test_full_graph_compile_beside_eager_pieces_is_the_only_compile(monkeypatch)
     assert backend.stats.full_graph_calls == 3 and len(compiled) == 1 and compiled[0] is full.code.gm
     (entry,) = full.graphs.values()
     assert entry.code is not full.code.pieces
+
+
+# ---- CUDA: the full graphs are real CUDA graphs ----
+
+def decode_calls(tokens_per_step: int, steps: int):
+    """A 4-token prefill, then `steps` steps of `tokens_per_step` tokens each (on CUDA)."""
+    calls = [(torch.arange(4, device="cuda") + 1, torch.arange(4, device="cuda"))]
+    for s in range(steps):
+        start = 4 + s * tokens_per_step
+        ids = (torch.arange(tokens_per_step, device="cuda") * 3 + s) % 64
+        calls.append((ids, torch.arange(start, start + tokens_per_step, device="cuda")))
+    return calls
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("compiler", ["eager", "inductor", "inductor-whole", "inductor-small-query",
+                                      "inductor-whole-small-query", "eager-whole-small-query"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
+    torch.manual_seed(0)
+    model = StaticCacheDecoder(max_len=4 + 64 * tokens).cuda().eval()
+    calls = decode_calls(tokens, 64)
+    expected = run_calls(copy.deepcopy(model), calls)
+    whole = "-whole" in compiler  # the full graph is the whole step compiled as one
+    small_query = compiler.endswith("small-query")  # its attention compiled as batched matmuls
+    config = cgcompile.Config(compiler=compiler.split("-")[0], capturable_split_ops=("attention",),
+                              full_graph_compile=whole, small_query_attention=small_query)
+    backend = cgcompile.Backend(config)
+    got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
+    stats = backend.stats
+    # The prefill once and the first decode step run piecewise; the second decode step
+    # captures the full graph and every later one replays it.
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 63), stats
+    assert any(rt.full is not None and rt.full.graphs for rt in backend.runtimes)
+    assert stats.full_graph_compilations == (1 if whole or small_query else 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_prefill_and_decode_full_graphs_in_any_order_on_cuda():
+    torch.manual_seed(0)
+    model = StaticCacheDecoder(max_len=128).cuda().eval()
+    calls = interleaved_calls(12, "cuda")
+    expected = run_calls(copy.deepcopy(model), calls)
+    backend = cgcompile.Backend(FULL)
+    got = run_calls(torch.compile(model, backend=backend, dynamic=False), calls)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
+    assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (3, 33)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@torch.no_grad()
+def test_a_changed_host_value_never_replays_the_stale_graph():
+    """The full graph captured at k=3 would return 3x for a call with k=5 (shown by
+    replaying it by hand); cgcompile runs that call piecewise and returns 5x."""
+    torch.manual_seed(0)
+    model = HostScaled().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=(HOST_SCALE_OP,)))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 8, device="cuda")
+    for k in (3, 3, 3):
+        torch.testing.assert_close(compiled(x, k), model(x, k))
+    assert backend.stats.full_graph_calls == 2 and backend.stats.graphs_captured >= 1
+    got = compiled(x, 5)
+    torch.testing.assert_close(got, model(x, 5))
+    assert backend.stats.piecewise_reasons[HOST_REASON] == 1
+    full = backend.runtimes[0].full
+    (entry,) = full.graphs.values()
+    for _, buffer in entry.copies:  # the piecewise call may have reused the input buffer's memory
+        buffer.copy_(x)
+    entry.graph.replay()  # what replaying the full graph for k=5 would have returned
+    stale = entry.outputs[0].clone()
+    torch.testing.assert_close(stale, model(x, 3))
+    assert not torch.allclose(stale, got)
+    torch.testing.assert_close(compiled(x, 3), model(x, 3))  # k back at 3: the full graph again
+    assert backend.stats.full_graph_calls == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_an_input_the_split_op_only_reads_is_copied_on_cuda():
+    """v is new at every call and read by the captured split op: each replay copies it
+    into the graph's buffer first, so every call sees its own values."""
+    backend = check_fresh_inputs("cuda")
+    assert backend.stats.graphs_captured > 0

@@ -5,7 +5,7 @@ one Dynamo graph whose host-side inputs stay put from step to step: the cache te
 live at fixed addresses and its length is a device tensor (`cumulative_length`), so
 every step after the first of each generate() replays the full graph. With the default
 DynamicCache the cache grows (new tensors, a new length symbol every step), so every
-step runs piecewise. tests/test_cuda_full_graph.py checks the same with CUDA graphs.
+step runs piecewise. The CUDA tests (marked `cuda`, at the end) check the same with CUDA graphs.
 """
 
 import pytest
@@ -14,27 +14,17 @@ import torch
 import cgcompile
 from cgcompile import passes
 
-from test_hf_llama import tiny_llama
-
-NEW_TOKENS = 8
-
-
-def generate(model, batch: int, **kwargs) -> torch.Tensor:
-    """Greedy tokens. disable_compile: on CUDA, generate() would otherwise compile a static
-    cache's decode step itself (mode="reduce-overhead"), around the compiled forward."""
-    prompt = (torch.arange(batch * 5, device=model.device).view(batch, 5) * 7 + 1) % 128
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                          min_new_tokens=NEW_TOKENS, do_sample=False, disable_compile=True, **kwargs)
+from helpers import FIXED_NEW_TOKENS, fixed_length_generate, tiny_llama
 
 
 def check_decode_graph_calls(backend) -> None:
-    """Two generate() calls of NEW_TOKENS: the decode graph (the last Dynamo graph) runs
+    """Two generate() calls of FIXED_NEW_TOKENS: the decode graph (the last Dynamo graph) runs
     piecewise on the first step of the first call (nothing captured yet) and on the first
     step of the second, whose new cache lies at a new address; every other step replays
     the full graph."""
     decode = backend.runtimes[-1].full
     assert decode is not None
-    assert decode.calls["full"] + decode.calls["piecewise"] == 2 * (NEW_TOKENS - 1)
+    assert decode.calls["full"] + decode.calls["piecewise"] == 2 * (FIXED_NEW_TOKENS - 1)
     assert decode.calls["piecewise"] <= 2, dict(decode.calls)
 
 
@@ -48,10 +38,11 @@ def compiled_llama(**fields):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_static_cache_decodes_from_the_full_path(batch):
-    expected = generate(tiny_llama(), batch, cache_implementation="static")
+    expected = fixed_length_generate(tiny_llama(), batch, cache_implementation="static")
     model, backend = compiled_llama()
     for _ in range(2):  # the second generate() reuses the cache generate() keeps
-        torch.testing.assert_close(generate(model, batch, cache_implementation="static"), expected, rtol=0, atol=0)
+        got = fixed_length_generate(model, batch, cache_implementation="static")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert backend.stats.graphs_seen == 2  # prefill, decode
     check_decode_graph_calls(backend)
     assert set(backend.stats.piecewise_reasons) <= {"first call of its size",
@@ -64,10 +55,11 @@ def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query, comp
     """whole: the whole graph compiled as one (with compiler="eager", the only compile);
     small_query alone: the eager attention pieces compiled for the full graph, lowered
     (one compile shared by the layers)."""
-    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    expected = fixed_length_generate(tiny_llama(), 2, cache_implementation="static")
     model, backend = compiled_llama(compiler=compiler, full_graph_compile=whole, small_query_attention=small_query)
     for _ in range(2):
-        torch.testing.assert_close(generate(model, 2, cache_implementation="static"), expected, rtol=0, atol=0)
+        got = fixed_length_generate(model, 2, cache_implementation="static")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
     check_decode_graph_calls(backend)
     # One compile of the decode graph; the second generate()'s new cache address recaptures
     # the same size and symbol values, so it reuses that compile.
@@ -79,12 +71,12 @@ def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query, comp
 
 
 def test_dynamic_cache_stays_piecewise():
-    expected = generate(tiny_llama(), 1)
+    expected = fixed_length_generate(tiny_llama(), 1)
     model, backend = compiled_llama()
-    torch.testing.assert_close(generate(model, 1), expected, rtol=0, atol=0)
+    torch.testing.assert_close(fixed_length_generate(model, 1), expected, rtol=0, atol=0)
     stats = backend.stats
     assert stats.full_graph_calls == 0
-    assert stats.piecewise_calls == NEW_TOKENS
+    assert stats.piecewise_calls == FIXED_NEW_TOKENS
 
 
 def test_generate_compiles_its_decode_step_with_cgcompile():
@@ -94,15 +86,15 @@ def test_generate_compiles_its_decode_step_with_cgcompile():
     shared, not copied, so both calls land in one backend."""
     from transformers import CompileConfig
 
-    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    expected = fixed_length_generate(tiny_llama(), 2, cache_implementation="static")
     model = tiny_llama()
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
     compile_config = CompileConfig(backend=backend, mode=None)
     compile_config._compile_all_devices = True  # transformers compiles on CUDA only unless told (its testing flag)
     prompt = (torch.arange(10).view(2, 5) * 7 + 1) % 128
     for _ in range(2):
-        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static",
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=FIXED_NEW_TOKENS,
+                             min_new_tokens=FIXED_NEW_TOKENS, do_sample=False, cache_implementation="static",
                              compile_config=compile_config)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert backend.stats.graphs_seen == 1  # the decode step; the prefill is not compiled
@@ -114,7 +106,7 @@ def test_generate_with_one_cache_for_every_call_never_captures_again():
     tensors stay put, so after the first call's first decode step every step replays."""
     from transformers import CompileConfig, StaticCache
 
-    expected = generate(tiny_llama(), 2, cache_implementation="static")
+    expected = fixed_length_generate(tiny_llama(), 2, cache_implementation="static")
     model = tiny_llama()
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
     compile_config = CompileConfig(backend=backend, mode=None)
@@ -123,10 +115,67 @@ def test_generate_with_one_cache_for_every_call_never_captures_again():
     prompt = (torch.arange(10).view(2, 5) * 7 + 1) % 128
     for _ in range(3):
         cache.reset()
-        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, past_key_values=cache,
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=FIXED_NEW_TOKENS,
+                             min_new_tokens=FIXED_NEW_TOKENS, do_sample=False, past_key_values=cache,
                              compile_config=compile_config)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     stats = backend.stats
-    assert (stats.piecewise_calls, stats.full_graph_calls) == (1, 3 * (NEW_TOKENS - 1) - 1)
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (1, 3 * (FIXED_NEW_TOKENS - 1) - 1)
     assert stats.parameter_recaptures == 0 and stats.calls_with_moved_parameters == 0
+
+
+# ---- CUDA ----
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_hf_static_cache_generate_from_full_graphs(batch, whole):
+    expected = fixed_length_generate(tiny_llama().cuda(), batch, cache_implementation="static")
+    model = tiny_llama().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",), full_graph_compile=whole))
+    model.forward = torch.compile(model.forward, backend=backend)
+    for _ in range(2):
+        got = fixed_length_generate(model, batch, cache_implementation="static")
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    check_decode_graph_calls(backend)
+    assert backend.stats.graphs_captured > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("compiler, whole", [("inductor", False), ("eager", True)])
+def test_hf_generate_compiles_its_decode_step_with_cgcompile(compiler, whole):
+    """generate()'s own compile (compile_config) with a cgcompile Backend: the prefill runs
+    eagerly, the decode step from full graphs. Its static cache marks its tensors static, so
+    a cache at a new address (a new generate()) is seen by the parameter check: one call
+    without graphs, one piecewise, then a new capture."""
+    from transformers import CompileConfig
+
+    expected = fixed_length_generate(tiny_llama().cuda(), 3, cache_implementation="static")
+    model = tiny_llama().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capturable_split_ops=("attention",),
+                                                 full_graph_compile=whole, small_query_attention=whole))
+    prompt = (torch.arange(15, device="cuda").view(3, 5) * 7 + 1) % 128
+    for _ in range(2):
+        got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=FIXED_NEW_TOKENS,
+                             min_new_tokens=FIXED_NEW_TOKENS, do_sample=False, cache_implementation="static",
+                             compile_config=CompileConfig(backend=backend, mode=None))
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    stats = backend.stats
+    assert stats.graphs_seen == 1 and stats.graphs_captured > 0
+    assert stats.full_graph_calls + stats.piecewise_calls == 2 * (FIXED_NEW_TOKENS - 1)
+    assert stats.piecewise_calls <= 3, stats.piecewise_reasons
+    assert stats.full_graph_compilations == (1 if whole else 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_hf_dynamic_cache_stays_piecewise_on_cuda():
+    expected = fixed_length_generate(tiny_llama().cuda(), 1)
+    model = tiny_llama().cuda()
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",)))
+    model.forward = torch.compile(model.forward, backend=backend)
+    torch.testing.assert_close(fixed_length_generate(model, 1), expected, rtol=0, atol=0)
+    # Graphs whose plan allows a full path count their calls; none may take it.
+    assert backend.stats.full_graph_calls == 0 and backend.stats.piecewise_calls > 0

@@ -1,4 +1,5 @@
-"""Hugging Face `generate()` through cgcompile on CPU: tiny random models, the default DynamicCache.
+"""Hugging Face `generate()` through cgcompile: tiny random models, the default DynamicCache. The
+CPU tests first; the CUDA tests (marked `cuda`) replay the capturable pieces from CUDA graphs.
 
 What Dynamo does during one `generate()` call (transformers 5.x, torch >= 2.11, default
 `dynamic=None`), and so what `backend.stats.graphs_seen` counts:
@@ -19,91 +20,36 @@ layer (transformers' DynamicSlidingWindowLayer.update, the same in 5.17 and 5.23
 changes, but the kept keys are a view into the concatenation, whose strides follow its
 length: stride(0) 2 * 7 * 16 = 224 after the prefill, 2 * 5 * 16 = 160 after every decode
 step. Decode step 2 fails graph 1's stride guard on `past_key_values.layers[0].keys`, and
-graph 2 serves every later step. (On CUDA it is two graphs: see test_cuda_hf.py.)
+graph 2 serves every later step. (On CUDA it is two graphs: see the CUDA tests below.)
 """
 
 import json
 import math
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import DynamicCache
 
 import cgcompile
 
-VOCAB = 128
-PROMPT_LEN = 7
-DECODE_GRAPH = 2  # graph index of the steady-state decode graph (see the module docstring)
-_LLAMA_LIKE = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512,
+from helpers import (
+    ARCHS,
+    PROMPT_LEN,
+    VOCAB,
+    compile_and_match_eager,
+    compile_forward,
+    generate,
+    prompt,
+    tiny_llama,
+    tiny_model,
 )
-ARCHS = {
-    "llama": lambda layers: LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **_LLAMA_LIKE)),
-    "qwen2": lambda layers: Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=layers, **_LLAMA_LIKE)),
-    # A window shorter than prompt + new tokens, so the sliding-window cache path runs.
-    "mistral": lambda layers: MistralForCausalLM(MistralConfig(num_hidden_layers=layers, sliding_window=5, **_LLAMA_LIKE)),
-    "gpt2": lambda layers: GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2)
-    ),
-}
 
-
-def tiny_model(arch: str, layers: int = 2):
-    torch.manual_seed(0)
-    model = ARCHS[arch](layers).eval()
-    model.generation_config.eos_token_id = None  # random weights: never stop early
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def prompt(batch: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ids [B, T] and their attention mask, left-padded: row i has i pad tokens."""
-    torch.manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, PROMPT_LEN))
-    mask = torch.ones_like(ids)
-    for row in range(batch):
-        mask[row, :row] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
-def generate(model, batch: int, new_tokens: int, seed: int = 1, **kwargs) -> torch.Tensor:
-    """generate() from prompt(batch, seed) on the model's device; greedy unless kwargs say otherwise."""
-    ids, mask = (t.to(model.device) for t in prompt(batch, seed))
-    kwargs.setdefault("do_sample", False)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, **kwargs)
-    sequences = getattr(out, "sequences", out)  # a GenerateOutput with return_dict_in_generate=True
-    assert sequences.shape == (batch, PROMPT_LEN + new_tokens)
-    return out
-
-
-def compile_forward(model, **config) -> cgcompile.Backend:
-    """The one-line change: compile `model.forward`, the function `generate()` calls."""
-    config.setdefault("compiler", "eager")
-    backend = cgcompile.Backend(cgcompile.Config(**config))
-    model.forward = torch.compile(model.forward, backend=backend)
-    return backend
-
-
-def compile_and_match_eager(model, batch: int, new_tokens: int = 16, **config) -> cgcompile.Backend:
-    """Greedy tokens after compile_forward(model, **config) equal the eager model's; returns the backend."""
-    expected = generate(model, batch, new_tokens)
-    backend = compile_forward(model, **config)
-    assert torch.equal(generate(model, batch, new_tokens), expected)
-    return backend
+DECODE_GRAPH = 2  # graph index of the steady-state decode graph (see the module docstring)
 
 
 BATCH_SEQUENCE = (1, 3, 1, 4, 1)  # a non-capture batch, a capture batch, and back to 1
@@ -320,4 +266,197 @@ def test_dynamic_cache_sources_make_two_graphs(arch, batch):
     decode = graph_pieces(backend, 1)
     assert all(p.capturable for p in decode if "linear" in targets(p))
     assert all(not p.capturable for p in decode if "scaled_dot_product_attention" in targets(p))
+
+
+# A tiny Llama decoding token by token with a DynamicCache, through backend="cgcompile".
+
+PROMPT = [[1, 5, 9, 17]]
+STEPS = 5
+
+
+@torch.no_grad()
+def greedy_logits(model, config) -> list[torch.Tensor]:
+    """Prefill the prompt, then decode STEPS tokens one at a time; the logits of every call."""
+    out = model(input_ids=torch.tensor(PROMPT), past_key_values=DynamicCache(config=config), use_cache=True)
+    logits = [out.logits]
+    for _ in range(STEPS):
+        token = out.logits[:, -1:].argmax(-1)  # [1, 1]
+        out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    model = tiny_llama()
+    expected = greedy_logits(model, model.config)
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    got = greedy_logits(torch.compile(model, backend=backend), model.config)
+    return expected, got, backend
+
+
+def test_logits_equal_eager(decoded):
+    expected, got, _ = decoded
+    assert len(got) == STEPS + 1
+    for step, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"step {step}: {m}")
+
+
+def test_decode_graph_splits_at_attention_and_cache(decoded):
+    _, _, backend = decoded
+    # Prefill, the first decode step (cache length still static), then one graph for
+    # every later step: Dynamo makes the cache length dynamic on the second decode step.
+    assert backend.stats.graphs_seen == 3
+    decode = [p for p in backend.pieces if p.graph_index == 2]
+
+    def targets(piece):
+        return {getattr(n.target, "__name__", str(n.target)) for n in piece.graph.graph.nodes
+                if n.op in ("call_function", "call_method")}
+
+    for piece in decode:
+        if piece.capturable:
+            # input_ids is [1, 1], so there is no capture dimension: capturable pieces
+            # must see no symbolic size (the cache length) at all, not even as a scalar.
+            assert not any(re.search(r"\b[su]\d+", s) for s in piece.input_shapes), piece.input_shapes
+        else:
+            rules = {r.rsplit("[", 1)[1].rstrip("]") for r in piece.reason.split("; ")}
+            assert rules <= {"split_op", "dynamic_shape", "dynamic_scalar"}, piece.reason
+
+    attention = [p for p in decode if "scaled_dot_product_attention" in targets(p)]
+    assert len(attention) == 2  # one per layer
+    for piece in attention:
+        # The KV-cache concatenation and the attention over it share one eager piece.
+        assert "cat" in targets(piece)
+        assert "[dynamic_shape]" in piece.reason and "[split_op]" in piece.reason
+    linears = [p for p in decode if "linear" in targets(p)]
+    assert linears and all(p.capturable for p in linears)  # projections, MLP, lm_head
+    assert any("silu" in targets(p) for p in linears)
+
+
+def test_prefill_captures_over_the_prompt_length():
+    # input_ids is [1, T]: the default rule looks at dimension 0 only, so name dimension 1.
+    model = tiny_llama()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_input="input_ids", capture_input_dim=1))
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for length in (4, 7, 9):  # the second length makes Dynamo compile a dynamic graph
+            ids = torch.randint(0, 128, (1, length))
+            got = compiled(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            want = model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    assert backend.stats.graphs_seen == 2
+    dynamic = [p for p in backend.pieces if p.graph_index == 1]
+    assert [p.capturable for p in dynamic] == [True, False, True, False, True]  # 2 layers: 2N+1 pieces
+    assert all(p.reason.endswith("split by default (attention) [split_op]") for p in dynamic if not p.capturable)
+
+
+# ---- CUDA: the capturable pieces replayed from CUDA graphs ----
+# Every graph Dynamo compiles during generate() is static (input_ids is [B, 1] in decode;
+# the cache length lives only in eager pieces), so each capturable piece is captured
+# exactly once and replayed for every later token.
+
+# Dynamo graphs per generate() (the module docstring says which three), Mistral
+# included: its sliding-window cache keeps `cat([keys, new])[:, :, -(window - 1):]`, a view
+# whose strides follow the concatenation's length, so decode step 2 fails graph 1's stride
+# guard. On CUDA that view shares a captured piece's output memory, and the runtime returns
+# it as a copy with the view's own strides (cgcompile/runtime.py, `copy_with_strides`): the
+# same layout as eager's, hence the same graphs.
+GRAPHS_SEEN = {"llama": 3, "qwen2": 3, "mistral": 3, "gpt2": 3}
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_greedy_tokens_equal_eager_with_graphs(arch, batch):
+    stats = compile_and_match_eager(tiny_model(arch, device="cuda"), batch).stats
+    assert stats.graphs_seen == GRAPHS_SEEN[arch]
+    assert stats.graphs_captured == stats.capturable_pieces > 0  # one graph per capturable piece
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("arch", ["mistral", "llama"])
+def test_one_compiled_model_at_changing_batches_equals_eager_on_cuda(arch, compiler):
+    # Mistral's sliding-window cache keeps a view of each step's keys; at batch 1, 3, 1
+    # it once kept graph memory that later graphs overwrote (tests/test_output_aliases.py).
+    sequence_matches_eager(tiny_model(arch, device="cuda"), compiler=compiler)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_captures_do_not_grow_with_tokens():
+    model = tiny_model("llama", device="cuda")
+    expected = generate(model, 1, 64)
+    backend = compile_forward(model)
+    generate(model, 1, 16)
+    after_16 = backend.stats
+    assert torch.equal(generate(model, 1, 64), expected)
+    assert backend.stats == after_16
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_fp32_sampling_with_a_seed_equals_eager():
+    model = tiny_model("llama", device="cuda")
+    sample = dict(do_sample=True, top_k=0, top_p=0.9, temperature=0.8)
+    torch.manual_seed(123)
+    expected = generate(model, 3, 16, **sample)
+    compile_forward(model)
+    torch.manual_seed(123)
+    assert torch.equal(generate(model, 3, 16, **sample), expected)
+
+
+def teacher_forced_logits(model, sequences: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Eager logits [B, N, V] for every generated token of `sequences`, in one forward pass.
+
+    Logits at position t predict token t + 1, so the N new tokens are predicted by
+    positions PROMPT_LEN - 1 .. PROMPT_LEN + N - 2. Position ids as generate() makes them.
+    """
+    new_tokens = sequences.shape[1] - PROMPT_LEN
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], new_tokens)], dim=1)
+    position_ids = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
+    with torch.no_grad():
+        logits = model(sequences, attention_mask=full_mask, position_ids=position_ids).logits
+    return logits[:, PROMPT_LEN - 1 : -1]
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("compiler, batch", [("eager", 3), ("inductor", 1)])
+def test_bf16_logits_close_to_eager(compiler, batch):
+    # bf16 greedy tokens may part ways at a near tie, so compare the logits of every
+    # step, prefill and both decode graphs, against eager on the same tokens.
+    model = tiny_model("llama", device="cuda", dtype=torch.bfloat16)
+    compile_forward(model, compiler=compiler)
+    out = generate(model, batch, 8, output_logits=True, return_dict_in_generate=True)
+    got = torch.stack(out.logits, dim=1).float()  # [B, 8, V]
+    del model.forward  # the class's forward again: eager
+    want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda()).float()
+    scale = want.abs().amax()
+    torch.testing.assert_close(got, want, rtol=0, atol=0.05 * scale.item())
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_inductor_pieces_with_dynamic_cache_sources_make_two_graphs(batch):
+    # The README's recipe. Inductor lays the prefill's cache concatenation out
+    # [B, T, H, D]-major, eager contiguous. The runtime copies graph outputs out in eager's
+    # layout; returned in Inductor's, the first decode step would guard on that layout and
+    # the second (eager cat, contiguous) would make Dynamo compile a third graph.
+    with torch.compiler.config.patch(dynamic_sources=KV_CACHE_SOURCES):
+        model = tiny_model("llama", device="cuda")
+        backend = compile_forward(model, compiler="inductor")
+        out = generate(model, batch, 16, output_logits=True, return_dict_in_generate=True)
+        after_16 = backend.stats
+        generate(model, batch, 32)
+    assert after_16.graphs_seen == 2
+    assert after_16.graphs_captured == after_16.capturable_pieces > 0
+    assert backend.stats == after_16
+    got = torch.stack(out.logits, dim=1)
+    del model.forward  # eager again
+    want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().amax().item())
 

@@ -16,6 +16,8 @@ from cgcompile.passes import example_value, values_sharing_memory
 from cgcompile.runtime import copy_with_strides
 from cgcompile.testing.models import SILLY_OP
 
+from helpers import traced
+
 
 class KeepsAWindow(nn.Module):
     """Returns, besides its result, the last rows of a tensor made in a captured piece, as a
@@ -39,25 +41,13 @@ class KeepsAWindow(nn.Module):
         return mixed.sum(1) * 2.0, kept
 
 
-def _record_graph(fn, *args):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return graphs[0]
-
-
 def test_views_of_a_piece_output_share_its_memory_however_far_downstream():
     def fn(x, y):
         full = torch.cat([x, y], dim=1).sin()
         other = x.cos()
         return full[:, 1:].t(), other, x[1:], full
 
-    gm = _record_graph(fn, torch.randn(4, 3), torch.randn(4, 1))
+    gm = traced(fn, torch.randn(4, 3), torch.randn(4, 1))
     nodes = {n.name: n for n in gm.graph.nodes}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     values = list(output.args[0])

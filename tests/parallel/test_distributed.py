@@ -17,7 +17,7 @@ from cgcompile.capture import CaptureSession
 from cgcompile.errors import DistributedError
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 def torchrun(script: pathlib.Path, *args: str, timeout: int = 120) -> str:
@@ -41,7 +41,7 @@ def torchrun(script: pathlib.Path, *args: str, timeout: int = 120) -> str:
 
 
 def test_pipeline_scenarios_on_two_gloo_ranks():
-    out = torchrun(ROOT / "tests" / "distributed_worker.py")
+    out = torchrun(ROOT / "tests" / "parallel" / "distributed_worker.py")
     for name in ("buffers", "ring mismatch", "sender checks", "rows mismatch", "same rows", "connect first"):
         for rank in (0, 1):
             assert f"rank {rank}: {name}: ok" in out, out
@@ -147,5 +147,5 @@ def test_cuda_example_tokens_equal_eager_with_graphs(example):
 @pytest.mark.cuda
 @two_gpus
 def test_cuda_collectives_are_captured_and_buffers_read_in_place():
-    out = torchrun(ROOT / "tests" / "distributed_cuda_worker.py", timeout=400)
+    out = torchrun(ROOT / "tests" / "parallel" / "distributed_cuda_worker.py", timeout=400)
     assert "rank 0: all-reduces captured: ok" in out and "rank 1: buffers read in place: ok" in out, out

@@ -1,10 +1,10 @@
-"""Scenarios of the pipeline API on 2 ranks over gloo, run by tests/test_distributed.py
+"""Scenarios of the pipeline API on 2 ranks over gloo, run by tests/parallel/test_distributed.py
 through torchrun. Each scenario prints `<name>: ok` on the rank that checks it, or raises."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

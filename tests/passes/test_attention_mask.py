@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from cgcompile.passes import hoist_mask_conversion
 from cgcompile.passes.attention_mask import additive_attention_mask
 
+from helpers import traced
+
 
 def attention_inputs(length: int, dtype=torch.float32):
     torch.manual_seed(0)
@@ -36,19 +38,6 @@ def test_broadcast_dimensions_stay_broadcast():
     assert converted.stride(-2) % 16 == 0
     assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=converted),
                        F.scaled_dot_product_attention(q, k, v, attn_mask=expanded))
-
-
-def traced(fn, *args):
-    """The FX graph Dynamo captures for fn(*args), with fake-tensor metadata."""
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*args)
-    return graphs[0]
 
 
 def layers(q, k, v, mask):

@@ -1,4 +1,6 @@
-"""Config.fuse_sibling_linears: sibling linears as one matmul, and the weight copies kept fresh (CPU)."""
+"""Config.fuse_sibling_linears: sibling linears as one matmul, and the weight copies kept fresh.
+With CUDA graphs (marked `cuda`): piecewise and full graphs read the fused copies, and a
+parameter update reaches graphs already captured."""
 
 import pytest
 import torch
@@ -6,7 +8,7 @@ import torch
 import cgcompile
 from cgcompile.passes import fuse_sibling_linears
 
-from test_hf_generate import ARCHS, compile_and_match_eager, tiny_model
+from helpers import ARCHS, compile_and_match_eager, fixed_length_generate, tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +154,7 @@ def sibling_bytes(model) -> int:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_generate_with_fused_linears(arch):
-    """Greedy tokens equal eager's (three Dynamo graphs: see test_hf_generate.py); the
+    """Greedy tokens equal eager's (three Dynamo graphs: see tests/test_hf_generate.py); the
     graphs share one copy of each fused weight."""
     model = tiny_model(arch)
     backend = compile_and_match_eager(model, 2, fuse_sibling_linears=True)
@@ -167,11 +169,7 @@ def test_hf_generate_with_fused_linears(arch):
 def test_gptj_parallel_block():
     """GPT-J projects one input with q, k, v (no bias) and fc_in (bias): one group of three,
     and its uses follow each projection in turn (the rewrite must keep the graph ordered)."""
-    from transformers import GPTJConfig, GPTJForCausalLM
-
-    torch.manual_seed(0)
-    model = GPTJForCausalLM(GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
-                                       n_positions=64, bos_token_id=1, eos_token_id=2)).eval()
+    model = tiny_model("gptj")
     ids = torch.randint(0, 128, (2, 5))
     expected = model(ids).logits
     compiled_model, backend = compiled(model)
@@ -194,3 +192,37 @@ def test_parameters_that_need_gradients_are_not_fused():
         torch.testing.assert_close(got.grad, want.grad, msg=name)
     compiled_model(x)  # grad off (the fixture): Dynamo compiles again, and this graph fuses
     assert backend.stats.fused_linears == 5
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("arch, batch", [("llama", 1), ("qwen2", 3)])
+def test_fp32_greedy_tokens_equal_eager(arch, batch, compiler):
+    model = tiny_model(arch, device="cuda")
+    stats = compile_and_match_eager(model, batch, fuse_sibling_linears=True, compiler=compiler).stats
+    assert stats.fused_linears == 5 * model.config.num_hidden_layers * stats.graphs_seen
+    assert stats.graphs_captured == stats.capturable_pieces > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_full_graph_sees_a_weight_update_after_capture():
+    """Static cache: decode replays one full graph; an in-place update of a fused
+    parameter between generate() calls is copied into the fused weight before the replay."""
+    model = tiny_model("llama", device="cuda")
+    eager = tiny_model("llama", device="cuda")
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",), fuse_sibling_linears=True))
+    model.forward = torch.compile(model.forward, backend=backend)
+    before = fixed_length_generate(eager, 2, cache_implementation="static")
+    assert torch.equal(fixed_length_generate(model, 2, cache_implementation="static"), before)
+    with torch.no_grad():
+        for m in (model, eager):
+            m.model.layers[0].self_attn.k_proj.weight.mul_(-1.5)
+            m.model.layers[1].mlp.up_proj.weight.add_(0.1)
+    after = fixed_length_generate(eager, 2, cache_implementation="static")
+    assert not torch.equal(after, before)  # the update matters to the tokens
+    assert torch.equal(fixed_length_generate(model, 2, cache_implementation="static"), after)
+    stats = backend.stats
+    assert stats.full_graph_calls > 0 and stats.fused_weight_refreshes >= 1
+

@@ -10,7 +10,7 @@ import cgcompile
 from cgcompile.passes import fold_grouped_query_attention
 from cgcompile.passes.sdpa import grouped_query_attention
 
-from test_attention_mask import traced
+from helpers import traced
 
 KV_HEADS, GROUPS, HEAD_DIM, LENGTH = 2, 4, 16, 37
 

@@ -1,11 +1,11 @@
-"""GPU checks on 2 ranks over NCCL (run by tests/test_distributed.py under torchrun):
+"""GPU checks on 2 ranks over NCCL (run by tests/parallel/test_distributed.py under torchrun):
 the all-reduces of a tensor-parallel model are captured inside the pieces' CUDA graphs,
 and a pipeline stage's graphs read its intermediate buffers in place."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
