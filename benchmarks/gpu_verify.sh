@@ -20,13 +20,11 @@ job() {  # job NAME COMMAND...: run in the background under the time limit, log 
 
 # The cuda tests in three shards, so that none outlasts the limit (the 2-GPU tests skip on one GPU).
 PYTEST=(python3 -m pytest -q -m cuda -p no:cacheprovider)
-SHARD_HF=(tests/test_cuda_hf.py tests/test_cuda_breakable_hf.py tests/test_hf_full_graph.py
-          tests/test_hf_generate.py tests/test_breakable_hf.py)
-SHARD_GRAPHS=(tests/test_cuda_backend.py tests/test_cuda_full_graph.py tests/test_cuda_recovery.py
-              tests/test_cuda_compile_sizes.py)
+SHARD_HF=(tests/test_hf_generate.py tests/test_hf_full_graph.py tests/breakable/test_transformers.py)
+SHARD_GRAPHS=(tests/test_backend.py tests/test_full_graph.py tests/test_recovery.py tests/test_compile_sizes.py)
 job pytest_hf "${PYTEST[@]}" "${SHARD_HF[@]}"
 job pytest_graphs "${PYTEST[@]}" "${SHARD_GRAPHS[@]}"
-job pytest_rest "${PYTEST[@]}" tests --ignore=tests/test_model_zoo.py --ignore=tests/test_padding_fuzz.py \
+job pytest_rest "${PYTEST[@]}" tests --ignore=tests/test_model_zoo.py --ignore=tests/test_fuzz.py \
   $(printf -- '--ignore=%s ' "${SHARD_HF[@]}" "${SHARD_GRAPHS[@]}")
 job fuzz_eager python3 -m cgcompile.fuzz --cases 400 --seed 1000 --device cuda --compiler eager
 job fuzz_inductor python3 -m cgcompile.fuzz --cases 40 --seed 2000 --device cuda --compiler inductor
