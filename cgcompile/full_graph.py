@@ -40,7 +40,8 @@ from .ops import call_without_cudnn_attention
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import FullGraphPlan
-from .runtime import GraphRuntime, OutputCopy, PieceRunner, _StitchNamespace, copy_out
+from .buffers import StepSize
+from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out
 from .stats import BackendStats
 
 if TYPE_CHECKING:
@@ -190,20 +191,21 @@ class FullGraph:
             log.info(message, *args)
 
 
-def plain_function(runtime: GraphRuntime, cudnn_attention: bool,
-                   eager_compiles: EagerPieceCompiles | None = None) -> Callable:
-    """The whole graph as one function: every piece's own code in order, no graphs, no
-    padding (the full path runs only at n == size). With `eager_compiles`, eager pieces
-    that hold attention of a few query rows run compiled (see `compiler.EagerPieceCompiles`)."""
+def plain_function(stitch: torch.fx.GraphModule, runners: Sequence[PieceRunner], step: StepSize,
+                   cudnn_attention: bool, eager_compiles: EagerPieceCompiles | None = None) -> Callable:
+    """The whole graph as one function: the stitch calling every piece's own code in
+    order, no graphs, no padding (the full path runs only at n == size). With
+    `eager_compiles`, eager pieces that hold attention of a few query rows run compiled
+    (see `EagerPieceCompiles`)."""
     calls = {}
-    for runner in runtime.runners:
+    for runner in runners:
         name = runner.piece_name.rsplit(".", 1)[-1]
         compiled = None
         if eager_compiles is not None and type(runner) is PieceRunner and isinstance(runner.fn, torch.fx.GraphModule):
             compiled = eager_compiles.for_piece(runner.fn)
-        calls[name] = compiled or _plain_piece(runner, runtime.step)
-    namespace = _StitchNamespace(runtime.stitch, calls)
-    code = type(runtime.stitch).forward
+        calls[name] = compiled or _plain_piece(runner, step)
+    namespace = _StitchNamespace(stitch, calls)
+    code = type(stitch).forward
     if cudnn_attention:
         return lambda *args: code(namespace, *args)
     return lambda *args: call_without_cudnn_attention(code, namespace, *args)

@@ -162,8 +162,9 @@ class CudaGraphPiece(PieceRunner):
         self.traced = traced
         self.graphs: dict[int, _Graph] = {}
         self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
-        # Called as recover(self, args, padded_args, error) when capturing fails; the
-        # backend splits the piece at the node that cannot be captured.
+        # Called as recover(self, args, padded_args, error) when capturing fails: set by
+        # the runtime that runs this piece, from its `recovery.PieceRecovery`, which splits
+        # the piece at the node that cannot be captured.
         self.recover = None
         self._copy_inputs = tuple(
             i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs

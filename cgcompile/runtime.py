@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import logging
+from typing import Any, Callable
 
 import torch
 
 from .ops import call_without_cudnn_attention
 from .buffers import overlaps
 from .buffers import SizePolicy, StepSize
+from .weights import FusedWeights, ParameterAddresses
+
+log = logging.getLogger(__name__)
 
 
 class PieceRunner(torch.nn.Module):
@@ -108,6 +112,16 @@ class CallSizing:
     policy: SizePolicy
 
 
+@dataclasses.dataclass(frozen=True)
+class AddressWatch:
+    """The graph inputs that are parameters and buffers captured pieces read in place:
+    their positions, and names for the log (see `weights.ParameterAddresses`)."""
+
+    name: str  # the graph's, "graph<k>"
+    indices: tuple[int, ...]
+    names: tuple[str, ...]
+
+
 class GraphRuntime:
     """What the backend hands back to Dynamo for one graph: the stitch with its runners.
 
@@ -120,6 +134,13 @@ class GraphRuntime:
     `cgcompile.ops`).
     sizing: how a call's size is read and which size its pieces run at (None: a static
     graph, whose pieces always run at the one size they were traced with).
+    full: a `full_graph.FullGraph`, one graph for the whole call where allowed.
+    fused: a `weights.FusedWeights`, inputs appended to every call.
+    addresses: the parameters and buffers to watch (None without CUDA graphs); watched
+        by `self.addresses`, a `weights.ParameterAddresses`.
+    session: the capture session of the graphs (read when moved parameters drop them).
+    recovery: a `recovery.PieceRecovery`, which the graph pieces call when their
+        capture fails.
     """
 
     def __init__(
@@ -130,6 +151,12 @@ class GraphRuntime:
         cudnn_attention: bool = False,
         sizing: "CallSizing | None" = None,
         step: StepSize | None = None,
+        *,
+        full: Any = None,
+        fused: FusedWeights | None = None,
+        addresses: AddressWatch | None = None,
+        session: Any = None,
+        recovery: Any = None,
     ):
         calls = {}
         for runner in runners:
@@ -144,11 +171,21 @@ class GraphRuntime:
         self.cudnn_attention = cudnn_attention
         self.sizing = sizing
         self.step = step or StepSize()
-        self.full = None  # a `full_graph.FullGraph`: one graph for the whole call, where allowed
-        self.fused = None  # a `fused_weights.FusedWeights`: inputs appended to every call
-        # A `parameter_addresses.ParameterAddresses`: whether a call's parameters are where
-        # the graphs read them (None without CUDA graphs).
-        self.addresses = None
+        self.full = full
+        self.fused = fused
+        self.session = session
+        self.addresses = None if addresses is None else ParameterAddresses(
+            addresses.name, addresses.indices, addresses.names, self._recapture)
+        if recovery is not None:
+            recovery.arm(self)
+
+    def _recapture(self) -> None:
+        """The parameters moved and settled: drop the graphs that read the old ones."""
+        self.drop_all_graphs()  # their memory goes back to the pool, for the recapture
+        if not self.session.lazy_capture:
+            log.warning("cgcompile: %s dropped its CUDA graphs after its parameters moved; graphs "
+                        "captured under a memory budget are not captured lazily: call backend.capture(...) "
+                        "again to have them", self.addresses.name)
 
     def replace_runner(self, old: PieceRunner, new: Callable, new_runners: list) -> None:
         """Call `new` where `old` was called (recovery after a failed capture)."""

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +69,28 @@ class BackendStats:
     # recaptures once new addresses settled (see `cgcompile.weights`).
     calls_with_moved_parameters: int = 0
     parameter_recaptures: int = 0
+
+
+class PieceRecords:
+    """A Backend's `Piece` records and their counters, as one object that its compile
+    adds to and capture recovery updates (`recovery.PieceRecovery`)."""
+
+    def __init__(self, pieces: list[Piece], stats: BackendStats):
+        self.pieces = pieces
+        self.stats = stats
+
+    def add(self, graph_index: int, pieces: Sequence[Piece]) -> None:
+        """Record the pieces of a graph's split (or of a piece's re-split)."""
+        self.pieces.extend(pieces)
+        self.stats.pieces += len(pieces)
+        self.stats.capturable_pieces += sum(p.capturable for p in pieces)
+        if not any(p.capturable for p in pieces):
+            log.warning("cgcompile: graph %d has no capturable piece; it runs eagerly. Reasons: %s", graph_index,
+                        "; ".join(p.reason or "" for p in self.pieces if p.graph_index == graph_index))
+
+    def replace(self, name: str, reason: str) -> None:
+        """The piece `name` runs eagerly from now on, for `reason` (capture recovery)."""
+        for i, piece in enumerate(self.pieces):
+            if piece.name == name:
+                self.pieces[i] = dataclasses.replace(piece, capturable=False, reason=reason)
+                self.stats.capturable_pieces -= 1

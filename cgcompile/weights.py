@@ -194,3 +194,30 @@ class FusedWeights:
 
     def _stamp_of(self, args: Sequence) -> tuple:
         return tuple((args[i].data_ptr(), args[i]._version) for i in self._watched)
+
+
+class FusedCopies:
+    """The fused weight copies of one Backend: one per set of sources for all its graphs
+    (a prefill and a decode graph fuse the same weights). Called as the copy function of
+    `passes.fuse_sibling_linears`. A copy handed to a later graph is first made again in
+    place: its sources may have been written since (graphs that read it already notice
+    that themselves, see `FusedWeights`)."""
+
+    def __init__(self):
+        self._copies: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        # A copy made inside a stream capture would live in the graph pool and be filled
+        # only by the capture's own run: never the case, as Dynamo compiles before any capture.
+        assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), \
+            "cgcompile: a fused weight copy was requested during a CUDA graph capture"
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in parts)
+        with torch.no_grad():
+            if key in self._copies:
+                return torch.cat(parts, dim=0, out=self._copies[key])
+            self._copies[key] = torch.cat(parts, dim=0)
+        return self._copies[key]
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._copies.values())

@@ -72,7 +72,7 @@ def test_identical_pieces_compile_once_with_inductor():
 def test_graph_outputs_are_copied_contiguous_only_where_eager_is_contiguous():
     # The copy out of a CUDA graph buffer takes eager's layout when that is contiguous
     # (Inductor may have chosen another); otherwise it keeps the buffer's layout.
-    from cgcompile.backend import _statically_contiguous
+    from cgcompile.phases import _statically_contiguous
 
     x = torch.empty(2, 3, 5, 4)
     assert _statically_contiguous(x)

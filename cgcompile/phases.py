@@ -1,0 +1,406 @@
+"""The compile steps of one Dynamo graph, in the order `Backend.__call__` runs them.
+
+Each step is a function that returns a record of what it decided; none of them reaches
+back into the Backend. What they need of its state (the compile cache, the capture
+session, the fused weight copies, the ops a capture failed on) is handed to them.
+Capture recovery (`recovery.PieceRecovery`) runs `build_runners` again on a piece's
+re-split, so a piece cut after a failed capture is built as the first compile built it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable
+
+import torch
+
+from .buffers import SizePolicy, StepSize, TracedLayout
+from .capture import CaptureSession
+from .compat import is_static_address
+from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
+from .config import Config
+from .errors import ConfigError
+from .full_graph import FullGraph, plain_function
+from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
+from .passes import (
+    CaptureDim,
+    SplitGraph,
+    classify_nodes,
+    example_value,
+    find_capture_dim,
+    find_padding_hazards,
+    find_state_hazards,
+    fold_grouped_query_attention,
+    fuse_sibling_linears,
+    hoist_mask_conversion,
+    input_name,
+    plan_full_graph,
+    split_graph,
+    values_sharing_memory,
+)
+from .recovery import PieceRecovery, UncapturableOps
+from .runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
+from .stats import BackendStats, Piece, PieceRecords
+from .weights import FusedCopies, FusedWeights, has_address
+
+log = logging.getLogger(__name__)
+
+
+# -- records ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """Config.fuse_sibling_linears: the rewritten graph, its inputs with the fused weights
+    appended (None: nothing fused), and how many linears were fused away."""
+
+    gm: torch.fx.GraphModule
+    example_inputs: list
+    weights: FusedWeights | None = None
+    linears: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphAnalysis:
+    """What the backend learned about one Dynamo graph before splitting it."""
+
+    capture_dim: CaptureDim | None
+    capture_index: int | None  # position of the capture dimension's input among the graph's inputs
+    static_inputs: frozenset[str]  # placeholder names of parameters and buffers
+    device: torch.device  # the accelerator the graph runs on, or cpu
+    cudagraphs: bool
+
+    @property
+    def symbol(self):
+        return self.capture_dim.symbol if self.capture_dim else None
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSizing:
+    """How one graph's pieces are sized: padded to capture sizes, or at the exact size.
+
+    hazards: per capturable piece name, why padding could change its results (the
+    padding-safety pass); one hazard anywhere makes the whole graph run at exact sizes.
+    why: the sentence recorded for the graph's pieces and the dump.
+    """
+
+    padded: bool
+    hazards: dict[str, tuple]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphBuild:
+    """What the steps after sizing share for one graph; building the runners of a piece's
+    re-split (capture recovery) needs the same."""
+
+    index: int  # the graph's number in its Backend
+    analysis: GraphAnalysis
+    sizing: GraphSizing
+    step: StepSize  # the call's size, shared by the graph's runtime and its runners
+    compiler: PieceCompiler
+    config: Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Runners:
+    """One runner and one `Piece` record per piece of a split, in order."""
+
+    graph_index: int
+    runners: tuple[PieceRunner, ...]
+    pieces: tuple[Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FullGraphChoice:
+    """The full path of a graph (None: piecewise only) and the line the dump records
+    (None when no split op is declared capturable)."""
+
+    graph: FullGraph | None
+    summary: str | None
+
+
+# -- the steps -------------------------------------------------------------------------
+
+
+def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
+                 copies: FusedCopies) -> Fusion:
+    """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
+    weights become new graph inputs, appended to every call's (see `weights.FusedWeights`)."""
+    if not config.fuse_sibling_linears:
+        return Fusion(gm, example_inputs)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    # Left out: inference tensors, which have no version counter (a later update could
+    # not be seen), and parameters autograd will differentiate (the copies would take
+    # their gradients). Dynamo guards on grad mode, so a call with grad on recompiles.
+    training = torch.is_grad_enabled()
+    params = {name: x for name, x in zip(placeholders, example_inputs)
+              if isinstance(x, torch.nn.Parameter) and not x.is_inference() and not (training and x.requires_grad)}
+    gm, fused = fuse_sibling_linears(gm, params, copies)
+    if not fused:
+        return Fusion(gm, example_inputs)
+    for f in fused:
+        torch._dynamo.mark_static_address(f.tensor, guard=False)
+    weights = FusedWeights(fused, {name: i for i, name in enumerate(placeholders)}, example_inputs)
+    log.info("cgcompile: graph %d fused %d groups of sibling linears (weight copies of the backend: %.1f MB)",
+             index, sum(f.kind == "weight" for f in fused), copies.bytes / 2**20)
+    linears = sum(len(f.sources) for f in fused if f.kind == "weight")
+    return Fusion(gm, [*example_inputs, *weights.tensors], weights, linears)
+
+
+def analyse(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> GraphAnalysis:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = frozenset(n.name for n, x in zip(placeholders, example_inputs) if is_static_address(x))
+    try:
+        capture_dim = find_capture_dim(gm, static, config.capture_input, config.capture_input_dim)
+    except LookupError as e:
+        raise ConfigError(f"capture_input: {e}") from e
+    device = _graph_device(gm)
+    cudagraphs = device.type == "cuda" if config.cudagraphs is None else config.cudagraphs
+    if cudagraphs and device.type != "cuda":
+        raise ConfigError(
+            f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
+            f"move the model and inputs to CUDA or leave cudagraphs=None"
+        )
+    if device.type == "cpu" and config.compiler == "inductor":
+        _hint_eager_on_cpu()
+    index = None
+    if capture_dim is not None:
+        index = next(i for i, n in enumerate(placeholders) if input_name(n) == capture_dim.input_name)
+    return GraphAnalysis(capture_dim, index, static, device, cudagraphs)
+
+
+def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Config,
+                 uncapturable: UncapturableOps) -> SplitGraph:
+    # Rewrites before classifying: their new nodes are classified like any other.
+    hoist_mask_conversion(gm)
+    if config.fold_grouped_query:
+        fold_grouped_query_attention(gm)
+    mutable = frozenset(
+        n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
+    )
+    eager = classify_nodes(
+        gm,
+        op_reason=functools.partial(_split_reason, config, uncapturable),
+        capture_symbol=analysis.symbol,
+        on_accelerator=analysis.device.type != "cpu",
+        mutable_inputs=mutable,
+    )
+    return split_graph(gm, eager)
+
+
+def _split_reason(config: Config, uncapturable: UncapturableOps, target) -> str | None:
+    """Why an op is split: Config's split ops, then ops whose capture failed before."""
+    reason = config.split_ops.reason(target)
+    return uncapturable.reason(target) if reason is None else reason
+
+
+def choose_sizing(split: SplitGraph, analysis: GraphAnalysis, config: Config) -> GraphSizing:
+    symbol = analysis.symbol
+    hazards = {
+        spec.name: (*find_padding_hazards(spec.graph, symbol).values(),
+                    *find_state_hazards(spec.inputs, symbol, analysis.static_inputs))
+        for spec in split.pieces if spec.capturable
+    }
+    hazards = {name: h for name, h in hazards.items() if h}
+    if symbol is None:
+        return GraphSizing(False, hazards, "static: the graph has no capture dimension")
+    if hazards:
+        first = next(iter(hazards))
+        return GraphSizing(False, hazards, f"exact sizes: {first} is unsafe to pad ({hazards[first][0]})")
+    if not config.pads(analysis.cudagraphs):
+        return GraphSizing(False, hazards, "exact sizes: padding is off (Config.padding)")
+    return GraphSizing(True, hazards, "padded to the capture sizes")
+
+
+def build_runners(build: GraphBuild, split: SplitGraph, session: CaptureSession, *,
+                  resplit: bool = False) -> Runners:
+    """resplit: `split` cuts one piece (recovery); its own inputs come from other pieces
+    of the graph too, so every input is handed over in the traced layout."""
+    piece_outputs = {out for spec in split.pieces for out in spec.outputs}
+    runners, pieces = [], []
+    for spec in split.pieces:
+        piece = _record_piece(build.index, spec, build.sizing)
+        pieces.append(piece)
+        if not spec.capturable:
+            runners.append(PieceRunner(piece.name, spec.graph))
+            continue
+        fn = build.compiler.compile(spec, build.analysis.symbol)
+        from_pieces = tuple(i for i, node in enumerate(spec.inputs)
+                            if node in piece_outputs or (resplit and node.op == "placeholder"))
+        runners.append(_make_runner(build, piece, spec, fn, session, from_pieces))
+    return Runners(build.index, tuple(runners), tuple(pieces))
+
+
+def _make_runner(build: GraphBuild, piece: Piece, spec, fn, session: CaptureSession,
+                 from_pieces: tuple[int, ...]) -> PieceRunner:
+    symbol, sizing = build.analysis.symbol, build.sizing
+    # Inputs made by other pieces: an eager op's kernel, and Inductor too (a cat with
+    # an empty operand keeps the other's layout), may return another layout than traced.
+    checked = from_pieces if build.config.compiler == "inductor" else ()
+    traced = TracedLayout([example_value(n) for n in spec.inputs], symbol, checked)
+    graphs = build.analysis.cudagraphs
+    if not (graphs or sizing.padded):
+        return CompiledPiece(piece.name, fn, build.step, traced)
+    layout = piece_layout(spec, symbol if sizing.padded else None, build.analysis.static_inputs)
+    if isinstance(layout, str):
+        # The padding-safety pass rejects every piece whose layout cannot be padded.
+        raise AssertionError(f"{piece.name}: padded, but {layout}")
+    if not graphs:
+        return PaddedPiece(piece.name, fn, layout, build.step, traced)
+    return CudaGraphPiece(piece.name, fn, layout, session, build.step, traced)
+
+
+def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
+    reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
+    hazards = sizing.hazards.get(spec.name)
+    padding = "; ".join(map(str, hazards)) if hazards else None
+    shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
+    return Piece(
+        f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
+        padding_unsafe=padding, sizes=sizing.why,
+    )
+
+
+def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
+               session: CaptureSession, stats: BackendStats, eager_compiles: EagerPieceCompiles) -> FullGraphChoice:
+    """A full path where Config.capturable_split_ops allows one."""
+    config = build.config
+    if not config.capturable_ops:
+        return FullGraphChoice(None, None)
+    plan = plan_full_graph(gm, split, build.analysis.static_inputs, build.analysis.symbol,
+                           config.capturable_ops.covers)
+    if isinstance(plan, str):
+        log.info("cgcompile: graph %d has no full graph: %s", build.index, plan)
+        return FullGraphChoice(None, f"piecewise only: {plan}")
+    values = _output_values(gm)
+    copies = () if config.reuse_output_buffers else tuple(
+        OutputCopy(i, _statically_contiguous(example_value(v)))
+        for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
+    )
+    name = f"graph{build.index}"
+    whole = config.full_graph_compile  # Inductor, whatever compiles the pieces
+    # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
+    eager = eager_compiles if config.small_query_attention else None
+    pieces = plain_function(split.stitch, runners.runners, build.step, config.cudnn_attention, eager)
+    code = FullGraphCode(name, pieces, gm if whole else None, dict(config.inductor_options),
+                         config.cudnn_attention, config.small_query_attention)
+    graph = FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
+    checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
+    runs = "the whole graph compiled as one per size" if whole else "the pieces' code in order"
+    if config.small_query_attention:
+        runs += ", attention of few query rows compiled as batched matmuls"
+    return FullGraphChoice(graph, f"full graph per call where these match the capture: {checked or 'nothing'}; "
+                                  f"it runs {runs}")
+
+
+def outputs_to_clone(gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
+                     config: Config) -> tuple[OutputCopy, ...]:
+    """Graph outputs that share memory with a CUDA graph's output: copied on return.
+
+    Not only the graph pieces' own outputs: a view of one, made by a later eager piece,
+    is pool memory too. Whatever the caller keeps of such an output (a KV cache that
+    keeps `cat(...)[:, :, 1:]`, a sliding window's) must outlive the replay: after it,
+    runners hold only non-owning aliases of their outputs, and graphs of other sizes or
+    other Dynamo graphs, captured into the memory the pool thinks free, write over it.
+    """
+    if config.reuse_output_buffers:
+        return ()
+    from_graphs = [
+        out for spec, runner in zip(split.pieces, runners.runners) if isinstance(runner, CudaGraphPiece)
+        for out in spec.outputs
+    ]
+    values = _output_values(gm)
+    # A view of a graph input that a piece also returns views the caller's own tensor.
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(
+        OutputCopy(i, _statically_contiguous(example_value(values[i])))
+        for i in values_sharing_memory(values, from_graphs, exclude=inputs)
+    )
+
+
+def call_sizing(build: GraphBuild, session: CaptureSession) -> CallSizing | None:
+    analysis = build.analysis
+    if analysis.capture_dim is None:
+        return None
+    policy = SizePolicy(
+        session.padding, exact=not build.sizing.padded, limit=build.config.exact_size_limit,
+        name=f"graph{build.index}",
+    )
+    return CallSizing(analysis.capture_index, analysis.capture_dim.dim, policy)
+
+
+def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph,
+                  fusion: Fusion) -> AddressWatch | None:
+    """The parameters and buffers captured pieces read in place (never copied, see
+    `graph_piece`), checked at every call (`weights.ParameterAddresses`); None without
+    CUDA graphs or with Config.check_addresses (which raises instead). Those only eager
+    pieces read need no check: eager code reads the call's own; a full graph checks them
+    itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused weights
+    (they keep their addresses, see `weights.FusedWeights`) and tensors without storage
+    of their own (wrapper subclasses), which have no address to check."""
+    if not build.analysis.cudagraphs or build.config.check_addresses:
+        return None
+    read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
+    owned = {id(t) for t in fusion.weights.tensors} if fusion.weights is not None else set()  # never move
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = fusion.example_inputs
+    indices = [i for i, name in enumerate(names)
+               if name in build.analysis.static_inputs and name in read and id(inputs[i]) not in owned
+               and has_address(inputs[i])]
+    if not indices:
+        return None
+    return AddressWatch(f"graph{build.index}", tuple(indices), tuple(names[i] for i in indices))
+
+
+def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,
+                   uncapturable: UncapturableOps) -> PieceRecovery | None:
+    """What splits a piece again where its capture fails (graph pieces only): the runners
+    of a re-split are built by `build_runners`, as the first ones were."""
+    if not build.analysis.cudagraphs:
+        return None
+    rebuild: Callable = functools.partial(build_runners, build, resplit=True)
+    return PieceRecovery(split, rebuild, records, uncapturable, build.config.cudnn_attention)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(output.args[0]) if isinstance(output.args[0], (tuple, list)) else [output.args[0]]
+
+
+def _statically_contiguous(value) -> bool:
+    """True when eager's result is contiguous with sizes and strides that are plain ints."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    sizes, strides = value.shape, value.stride()
+    if not all(type(x) is int for x in (*sizes, *strides)):
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@functools.cache
+def _hint_eager_on_cpu() -> None:
+    """Once per process: on CPU there are no CUDA graphs, and Inductor's compile is most of
+    the warm-up (55 s against 7 s with compiler="eager" for a 2-layer tiny Llama)."""
+    log.warning("cgcompile: a graph on CPU with Inductor pieces (the default, compiler='inductor'). CPU has no "
+                "CUDA graphs, and compiler='eager' warms up several times faster there: pass "
+                "options={'compiler': 'eager'} to torch.compile, or cgcompile.Config(compiler='eager')")
+
+
+def _graph_device(gm: torch.fx.GraphModule) -> torch.device:
+    """The first non-CPU device any tensor of the graph lives on, else cpu."""
+    for node in gm.graph.nodes:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device
+    return torch.device("cpu")
