@@ -297,14 +297,13 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...], n: int,
             repeated: tuple[int, ...] | None = None) -> None:
     """Make the static buffer `dst` hold `src`: its n rows along `dims`, the padding rows
     (n to size) zero. Zeroed at every fill, not once: an earlier call of the same size
-    with more rows left its data there."""
+    with more rows left its data there. The whole buffer is zeroed, one launch as for the
+    padding rows alone, but no view to make (padding along several dims, as an [s, s]
+    mask's, is not one slice anyway)."""
     if n == size or not dims:
         copy_rows(dst, src, repeated=repeated)
         return
-    if len(dims) == 1 and dims[0] not in (repeated or ()):
-        dst.narrow(dims[0], n, dst.shape[dims[0]] - n).zero_()
-    else:  # padding rows along several dims (an [s, s] mask): not one slice
-        dst.zero_()
+    dst.zero_()
     copy_rows(dst, src, dims, n, repeated)
 
 
@@ -320,7 +319,8 @@ class StaticBuffer:
     buffer: the tensor the graph reads (graph pieces and whole graphs hold a non-owning
         alias, `capture.weak_alias`; breakable graphs own theirs).
     address, stride: where it lies; a tensor there with those strides is read in place.
-    dims: the dims padded to the capture size (zeroed past n at every fill).
+    dims: the dims padded to the capture size (zeroed past n at every fill); a breakable
+        input decides per call (`StaticInput.refresh`).
     repeated: the dims it repeats one element along (stride 0), see `copy_rows`.
     """
 
@@ -333,16 +333,13 @@ class StaticBuffer:
         self.dims = dims
         self.repeated = repeated_dims(buffer)
 
-    def lies_at(self, x: torch.Tensor) -> bool:
-        """Whether `x` is the buffer's memory in its layout (a graph reads it in place)."""
-        return x.data_ptr() == self.address and x.stride() == self.stride
-
 
 def fill_all(inputs: tuple[tuple[int, StaticBuffer], ...], args: Sequence, n: int, size: int) -> None:
     """Before a replay: fill each (argument index, buffer) from the call's arguments.
 
-    The replay's hot loop: one address and stride check per input (`StaticBuffer.lies_at`,
-    inlined), a copy only where the argument is not already the buffer."""
+    The replay's hot loop: one address and stride check per input, a copy only where the
+    argument is not already the buffer (it lies there: an earlier graph's output, or a
+    persistent buffer, read in place)."""
     for i, static in inputs:
         x = args[i]
         if x.data_ptr() != static.address or x.stride() != static.stride:
@@ -362,6 +359,11 @@ class LiveBuffers:
         pipeline stage's receive buffers): whoever fills one feeds the graph with no copy.
     A graph that read an input in place keeps its address; a later call whose tensor lies
     elsewhere copies into that memory (`fill_all`), as into a buffer of its own.
+
+    Each owner holds its own: the `CaptureSession` (graph pieces' outputs, persistent
+    buffers) and each breakable group (its runners' outputs). Not one for both: a graph
+    piece keeps only the address, sound for memory that lives as long as every graph of
+    the session, not for a breakable graph's output, which dies with that one graph.
     """
 
     def __init__(self):
@@ -455,7 +457,7 @@ class StaticInput(StaticBuffer):
         return cls(padded_rows_copy(x, n, size), x)
 
     def refresh(self, x: torch.Tensor, n: int, size: int) -> None:
-        # Every replay, for every input: `_unchanged` and `lies_at` inlined.
+        # Every replay, for every input: `_unchanged` inlined; then fill as `fill_all` does.
         if self._source is not None and self._source() is x and self._version is not None \
                 and x._version == self._version:
             return

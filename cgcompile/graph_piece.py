@@ -26,7 +26,8 @@ import logging
 import sympy
 import torch
 
-from .buffers import StaticBuffer, StepSize, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all, padded_shape
+from .buffers import (StaticBuffer, StepSize, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all,
+                      padded_shape)
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import example_value, written_inputs
