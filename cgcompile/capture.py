@@ -25,7 +25,7 @@ import torch
 
 from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .errors import CaptureError
-from .buffers import PaddingTable
+from .buffers import LiveBuffers, PaddingTable
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +105,6 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
     return empty
 
 
-def output_key(tensor: torch.Tensor, padded_shape: tuple[int, ...]) -> tuple:
-    return (tensor.data_ptr(), padded_shape, tensor.stride())
-
-
 # Every session alive in this process, for `release_all_graphs`.
 _LIVE_SESSIONS: "weakref.WeakSet[CaptureSession]" = weakref.WeakSet()
 
@@ -128,9 +124,12 @@ def release_all_graphs() -> int:
 
 
 class CaptureSession:
-    """Pool, capture stream, mode and the registry of live graph outputs.
+    """Pool, capture stream, mode and the buffers graphs read in place.
 
     One session per owner (a Backend or a manager); every runner gets it explicitly.
+    live: outputs of graphs captured in the current call and persistent buffers (a
+        pipeline stage's): a graph piece captured with one as an input reads it in place
+        (`buffers.LiveBuffers`).
     """
 
     def __init__(self, capture_sizes: tuple[int, ...], *, pool: GraphPool | None = None,
@@ -150,27 +149,8 @@ class CaptureSession:
         self._runners: list[weakref.ref] = []
         self._graphs: "weakref.WeakSet[torch.cuda.CUDAGraph]" = weakref.WeakSet()  # every graph begun here
         self._anchor: tuple[tuple, torch.cuda.CUDAGraph] | None = None  # (pool handle, graph): `_anchor_pool`
-        # Outputs of graphs captured in the current call, by (address, padded shape,
-        # stride): a later piece that receives one uses it in place instead of copying.
-        self.live_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.live = LiveBuffers()
         _LIVE_SESSIONS.add(self)
-        # Buffers that live as long as their owner (a pipeline stage's intermediate
-        # buffers), by (address, stride): a piece captured with one of them as an input
-        # reads it in place, so whoever fills the buffer feeds the graph with no copy.
-        self._persistent: dict[tuple, torch.Tensor] = {}
-
-    def register_persistent_input(self, buffer: torch.Tensor) -> None:
-        """Let graphs read `buffer`, or any leading slice `buffer[:k]`, in place.
-
-        The caller owns `buffer` and keeps it alive, at this address, for as long as
-        graphs of this session replay (they hold no reference to it)."""
-        self._persistent[(buffer.data_ptr(), buffer.stride()[1:])] = buffer
-
-    def is_persistent(self, arg: torch.Tensor, padded_shape: tuple[int, ...]) -> bool:
-        """Whether `arg` starts a registered buffer whose rows cover `padded_shape`."""
-        buffer = self._persistent.get((arg.data_ptr(), arg.stride()[1:])) if arg.dim() else None
-        return (buffer is not None and buffer.dtype == arg.dtype and buffer.stride() == arg.stride()
-                and tuple(buffer.shape[1:]) == tuple(padded_shape[1:]) and padded_shape[0] <= buffer.shape[0])
 
     @classmethod
     def for_config(cls, config, *, pool=None, sizes: tuple[int, ...] | None = None) -> "CaptureSession":
@@ -342,7 +322,7 @@ class CaptureSession:
             runner = ref()
             if runner is not None:
                 runner.clear()
-        self.live_outputs.clear()
+        self.live.clear_outputs()
         self._retired.clear()
         self.lazy_capture = True
         self.padding.use(self.padding.configured)
@@ -360,7 +340,7 @@ def gc_paused():
     that earlier work left in reference cycles; a destructor that calls into CUDA is not
     allowed while a stream captures. Seen on the GPU machine: lazy breakable captures
     that failed after earlier tests had run (cuBLAS internal error, invalidated capture)
-    and pass with collection paused; tests/test_cuda_breakable.py fails the same way
+    and pass with collection paused; tests/breakable/test_runner.py fails the same way
     without it. Garbage made during capture is collected after it.
     """
     if not gc.isenabled():

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from .ops import call_without_cudnn_attention
+from .buffers import StaticBuffer, empty_like_strided, fill_all
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import FullGraphPlan
@@ -57,7 +58,7 @@ class _Entry:
     graph: torch.cuda.CUDAGraph | None
     key: tuple
     code: Callable  # what was captured (what runs per call without CUDA graphs)
-    copies: tuple[tuple[int, torch.Tensor], ...]  # (graph input, non-owning alias of its buffer)
+    inputs: tuple[tuple[int, StaticBuffer], ...]  # (graph input, its buffer): the plan's copied inputs
     outputs: tuple  # non-owning aliases of the graph's outputs (non-tensors as they were)
 
 
@@ -98,7 +99,7 @@ class FullGraph:
         if entry is not None and entry.key == key:
             self._count("full")
             self._last_key[size] = key  # a key seen once between replays is no reason to recapture
-            return self._replay(entry, args)
+            return self._replay(entry, args, size)
         previous, self._last_key[size] = self._last_key.get(size), key
         if previous != key:
             if entry is None and previous is None:
@@ -117,12 +118,10 @@ class FullGraph:
 
     # -- the two paths ---------------------------------------------------------------------
 
-    def _replay(self, entry: _Entry, args: Sequence):
+    def _replay(self, entry: _Entry, args: Sequence, size: int):
         if entry.graph is None:
             return tuple(entry.code(*args))
-        for i, buffer in entry.copies:
-            if args[i].data_ptr() != buffer.data_ptr():
-                buffer.copy_(args[i])
+        fill_all(entry.inputs, args, size, size)  # never padded: the full path runs at n == size
         entry.graph.replay()
         return self._hand_out(entry.outputs)
 
@@ -142,9 +141,9 @@ class FullGraph:
             self.disabled = f"capturing the full graph failed: {error}"
             log.warning("cgcompile: %s: %s; it runs piecewise from now on", self.name, self.disabled)
             return outputs
-        copies = tuple((i, weak_alias(static_args[i])) for i in self.plan.copied)
+        inputs = tuple((i, StaticBuffer(weak_alias(static_args[i]))) for i in self.plan.copied)
         aliases = tuple(weak_alias(o) if isinstance(o, torch.Tensor) else o for o in static_outputs)
-        self.graphs[size] = _Entry(graph, key, code, copies, aliases)
+        self.graphs[size] = _Entry(graph, key, code, inputs, aliases)
         log.info("cgcompile: %s captured a full graph of size %d", self.name, size)
         return outputs
 
@@ -154,8 +153,7 @@ class FullGraph:
         at every replay."""
         static = list(args)
         for i in self.plan.copied:
-            a = args[i]
-            static[i] = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+            static[i] = empty_like_strided(args[i])
         return static
 
     def _hand_out(self, outputs: tuple):

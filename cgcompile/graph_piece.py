@@ -1,7 +1,7 @@
 """Replay one capturable piece from CUDA graphs, one graph per capture size.
 
 Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture dimension):
-  - the graph's runtime has already chosen the size N of this call (`padding.StepSize`):
+  - the graph's runtime has already chosen the size N of this call (`buffers.StepSize`):
     the capture size n is padded to, n itself (a graph run at exact sizes), or None (no
     graph: n above the largest capture size, or past the exact-size limit).
   - N None: run the compiled piece directly, inputs in their traced layout.
@@ -11,8 +11,9 @@ Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture di
   - inputs that are parameters or buffers are captured by address (never copied);
     an input whose address and strides equal the captured ones (the output of the
     previous piece's graph, or a registered persistent buffer such as a pipeline
-    stage's intermediate buffer) is used in place; any other input is copied into the
-    captured buffer, whose padding rows are zeroed first.
+    stage's intermediate buffer; see `buffers.LiveBuffers`) is used in place; any other
+    input is copied into the captured buffer, whose padding rows are zeroed
+    (`buffers.fill_all`).
   - outputs are the graph's static buffers narrowed to n rows: they stay valid until
     the next replay of the same graph.
 """
@@ -25,10 +26,10 @@ import logging
 import sympy
 import torch
 
-from .capture import CaptureSession, Mode, output_key, weak_alias
+from .buffers import (StaticBuffer, StepSize, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all,
+                      padded_shape)
+from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
-from .buffers import TracedLayout
-from .buffers import StepSize
 from .passes import example_value, written_inputs
 from .runtime import PieceRunner
 
@@ -88,60 +89,12 @@ def _dims_of(value, symbol) -> tuple[int, ...] | str:
     return tuple(dims)
 
 
-def _narrow(t: torch.Tensor, dims: tuple[int, ...], n: int) -> torch.Tensor:
-    for d in dims:
-        t = t.narrow(d, 0, n)
-    return t
-
-
-def copy_rows(dst: torch.Tensor, src: torch.Tensor, dims: tuple[int, ...] = (), n: int | None = None,
-              repeated: tuple[int, ...] | None = None) -> None:
-    """Write `src` (n rows along `dims`) into the first n rows of `dst`, the one way every
-    padded input is filled: by a graph's replay, its capture and the padded CPU run alike.
-
-    `dst` has the traced layout, which may repeat one element along a dim (stride 0: a
-    broadcast such as RoPE's `inv_freq[None, :, None].expand(B, -1, 1)`). Such a dim holds
-    one value whatever its size, so only its first element is written (a write through a
-    repeated element is refused), and its padding rows read that same value, harmless
-    where padding is safe at all: padded rows never reach a real one. `repeated`: those
-    dims, when the caller knows them already (a replay, every step).
-    """
-    if n is not None:
-        dst = _narrow(dst, dims, n)
-    for d in repeated_dims(dst) if repeated is None else repeated:
-        dst, src = dst.narrow(d, 0, 1), src.narrow(d, 0, 1)
-    dst.copy_(src)
-
-
-def repeated_dims(t: torch.Tensor) -> tuple[int, ...]:
-    """Dims along which `t` repeats one element (stride 0, more than one element)."""
-    return tuple(d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1)
-
-
-def _padded_shape(t: torch.Tensor, dims: tuple[int, ...], size: int) -> tuple[int, ...]:
-    shape = list(t.shape)
-    for d in dims:
-        shape[d] = size
-    return tuple(shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CopyIn:
-    """An input replay copies unless it already lies where the graph reads it."""
-
-    index: int  # position among the piece's inputs
-    address: tuple[int, tuple[int, ...]]  # (data_ptr, stride) of the graph's buffer
-    buffer: torch.Tensor  # non-owning alias of that buffer
-    dims: tuple[int, ...]  # dims equal to the capture size: padded, and zeroed past n
-    repeated: tuple[int, ...]  # dims the buffer repeats one element along (stride 0): see copy_rows
-
-
 @dataclasses.dataclass
 class _Graph:
     """One captured size: the graph and non-owning aliases of its static tensors."""
 
     graph: torch.cuda.CUDAGraph
-    copies: tuple[_CopyIn, ...]  # the tensor inputs that are not parameters or buffers
+    inputs: tuple[tuple[int, StaticBuffer], ...]  # (input, its buffer): tensor inputs not parameters or buffers
     addresses: list  # per input: (data_ptr, stride) at capture, None for non-tensors
     outputs: tuple[torch.Tensor, ...]
 
@@ -192,20 +145,13 @@ class CudaGraphPiece(PieceRunner):
     # -- replay (hot path) -------------------------------------------------------------
 
     def _replay(self, entry: _Graph, args, n: int, size: int):
-        for copy in entry.copies:
-            arg = args[copy.index]
-            if arg.data_ptr() != copy.address[0] or arg.stride() != copy.address[1]:
-                if n != size and copy.dims:
-                    copy.buffer.zero_()
-                    copy_rows(copy.buffer, arg, copy.dims, n, copy.repeated)
-                else:
-                    copy_rows(copy.buffer, arg, repeated=copy.repeated)
+        fill_all(entry.inputs, args, n, size)
         if self.session.check_addresses:
             self._check_addresses(entry, args)
         entry.graph.replay()
         if n == size:
             return entry.outputs
-        return tuple(_narrow(o, d, n) for o, d in zip(entry.outputs, self.layout.output_dims))
+        return narrow_all(entry.outputs, self.layout.output_dims, n)
 
     def _check_addresses(self, entry: _Graph, args) -> None:
         for i, by_addr in enumerate(self.layout.by_address):
@@ -224,7 +170,7 @@ class CudaGraphPiece(PieceRunner):
         if mode is Mode.WARMUP:
             self._warmed.add(size)
             outputs = self._warm_up(padded)
-            return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+            return narrow_all(outputs, self.layout.output_dims, n)
         if entry is None:
             if mode is Mode.LAZY or size not in self._warmed:  # never capture a cold piece
                 self._warm_up(padded)
@@ -249,22 +195,19 @@ class CudaGraphPiece(PieceRunner):
         return outputs
 
     def _padded_args(self, args, n: int, size: int) -> tuple[list, set[int]]:
-        """Inputs at the capture size, and which inputs are live graph outputs used in place."""
+        """Inputs at the capture size, and which inputs are live buffers read in place
+        (`buffers.LiveBuffers`: earlier graphs' outputs, persistent buffers)."""
         padded, in_place = list(args), set()
         for i in self._copy_inputs:
             arg, dims = args[i], self.layout.input_dims[i]
             if not isinstance(arg, torch.Tensor):
                 continue
-            shape = _padded_shape(arg, dims, size)
-            live = (self.session.live_outputs.get(output_key(arg, shape)) is not None
-                    or self.session.is_persistent(arg, shape))
-            if live and self.traced.has_layout(i, arg, size):
+            shape = padded_shape(arg, dims, size)
+            if self.session.live.holds(arg, shape) and self.traced.has_layout(i, arg, size):
                 padded[i] = arg.as_strided(shape, arg.stride(), arg.storage_offset())
                 in_place.add(i)
             else:
-                buf = self.traced.zeros(i, arg, shape, size)
-                copy_rows(buf, arg, dims, n)
-                padded[i] = buf
+                padded[i] = self.traced.padded_copy(i, arg, dims, n, size)
         for i in self.layout.size_inputs:
             padded[i] = size
         return padded, in_place
@@ -273,7 +216,7 @@ class CudaGraphPiece(PieceRunner):
         def make_args():
             # Buffers for copied inputs are allocated here, inside capture: from the pool.
             return [
-                torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+                empty_like_strided(a)
                 if i in self._copy_inputs and isinstance(a, torch.Tensor) and i not in in_place
                 else a
                 for i, a in enumerate(padded)
@@ -282,20 +225,21 @@ class CudaGraphPiece(PieceRunner):
         graph, static_args, outputs = self.session.capture(self.piece_name, self.fn, make_args)
         outputs = tuple(outputs)
         addresses = [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args]
-        copies = tuple(
-            _CopyIn(i, addresses[i], weak_alias(static_args[i]), self.layout.input_dims[i],
-                    repeated_dims(static_args[i]))
+        # Inputs read in place get a buffer too: their memory, which a later call whose
+        # tensor lies elsewhere is copied into.
+        inputs = tuple(
+            (i, StaticBuffer(weak_alias(static_args[i]), self.layout.input_dims[i]))
             for i in self._copy_inputs if isinstance(static_args[i], torch.Tensor)
         )
-        entry = _Graph(graph, copies, addresses, tuple(weak_alias(o) for o in outputs))
+        entry = _Graph(graph, inputs, addresses, tuple(weak_alias(o) for o in outputs))
         self.graphs[size] = entry
         for i in self._copy_inputs:  # the first replay needs the real data
             if isinstance(static_args[i], torch.Tensor) and i not in in_place:
                 copy_rows(static_args[i], padded[i])
         graph.replay()
-        narrowed = tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+        narrowed = narrow_all(outputs, self.layout.output_dims, n)
         for full, view in zip(outputs, narrowed):
-            self.session.live_outputs[output_key(view, tuple(full.shape))] = view
+            self.session.live.add_output(view, full.shape)
         return narrowed
 
 
@@ -324,12 +268,10 @@ class PaddedPiece(PieceRunner):
         padded = list(args)
         for i, dims in enumerate(self.layout.input_dims):
             if dims and not self.layout.by_address[i]:
-                padded[i] = self.traced.zeros(i, args[i], _padded_shape(args[i], dims, size), size)
-                copy_rows(padded[i], args[i], dims, n)
+                padded[i] = self.traced.padded_copy(i, args[i], dims, n, size)
         for i in self.layout.size_inputs:
             padded[i] = size
-        outputs = self.fn(*padded)
-        return tuple(_narrow(o, d, n) for o, d in zip(outputs, self.layout.output_dims))
+        return narrow_all(self.fn(*padded), self.layout.output_dims, n)
 
 
 class CompiledPiece(PieceRunner):

@@ -494,8 +494,8 @@ def test_a_changed_host_value_never_replays_the_stale_graph():
     assert backend.stats.piecewise_reasons[HOST_REASON] == 1
     full = backend.runtimes[0].full
     (entry,) = full.graphs.values()
-    for _, buffer in entry.copies:  # the piecewise call may have reused the input buffer's memory
-        buffer.copy_(x)
+    for _, static in entry.inputs:  # the piecewise call may have reused the input buffer's memory
+        static.buffer.copy_(x)
     entry.graph.replay()  # what replaying the full graph for k=5 would have returned
     stale = entry.outputs[0].clone()
     torch.testing.assert_close(stale, model(x, 3))

@@ -1,7 +1,7 @@
 """Padded inputs by what they are: rows, a broadcast along the rows, module state.
 
 On CPU `Config(padding=True)` pads without graphs; on CUDA the graphs pad. Both fill a
-piece's inputs through `graph_piece.copy_rows`, so both must agree with eager here.
+piece's inputs through `buffers.copy_rows`, so both must agree with eager here.
 """
 
 import pytest

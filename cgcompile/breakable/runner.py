@@ -51,14 +51,13 @@ from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 
 from ..ops import call_without_cudnn_attention
-from ..buffers import SharedStatics, StaticInput
+from ..buffers import SharedStatics, SizePolicy, StaticInput, padded_rows_copy
 from .record import Recorder, recording, run_as_eager_break
 from .segments import SEGMENT_KINDS, observer_for, segments_for
 from .signature import Action, Signature, SignatureRule, flatten_call, unflatten_call
 from ..capture import CaptureSession
 from ..config import Config
 from ..errors import expect
-from ..buffers import SizePolicy
 from ..weights import ModuleTensors, ParameterAddresses
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ def eager_break(fn: Callable | None = None) -> Callable:
 
 
 class BreakableGroup:
-    """What runners built together share: static buffers (see `breakable_buffers`), the
+    """What runners built together share: static buffers (see `buffers.SharedStatics`), the
     log lines already written (so sixteen decoder layers log a new signature once), the
     graphs that a runner whose weights moved drops (`drop_graphs`), and one description
     (`describe`, written to `Config.dump_dir` after each capture)."""
@@ -249,7 +248,7 @@ class BreakableRunner:
         if n != size and entry.live_tensor_inputs:  # eager steps see every tensor at the padded size
             live = list(leaves)
             for index in entry.live_tensor_inputs:
-                live[index] = StaticInput.copy_of(leaves[index], n, size).buffer
+                live[index] = padded_rows_copy(leaves[index], n, size)
         for step in entry.steps:
             step(live)
         # A replay rewrites the static outputs behind autograd's back; bump their version so
@@ -281,10 +280,10 @@ class BreakableRunner:
             self.rule.uncapturable(size, recording.signature)
             return _cut(outputs, n, size, clone=True)  # out of the graphs' pool, which is dropped
         output_tensors = [x for x in pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
-        keep_alive = recording.keep_alive + self.group.statics.add_outputs(output_tensors)
+        self.group.statics.add_outputs(output_tensors)  # the entry keeps them alive
         entry = _BreakableGraph(recording.signature, recording.steps,
                                 [(i, statics[i]) for i in recording.static_inputs],
-                                recording.live_tensor_inputs, outputs, output_tensors, keep_alive)
+                                recording.live_tensor_inputs, outputs, output_tensors, recording.keep_alive)
         self.rule.captured(size, recording.signature, entry)
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:

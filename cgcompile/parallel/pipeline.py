@@ -124,7 +124,7 @@ class PipelineStage:
             buffers = make()
         for buffer in buffers.values():
             if session is not None:
-                session.register_persistent_input(buffer)
+                session.live.add_persistent(buffer)
         return buffers
 
     def connect(self) -> None:

@@ -93,12 +93,12 @@ def test_ring_schedule_keeps_every_stage_busy_once_full():
 def test_a_registered_buffer_and_its_leading_slices_are_read_in_place():
     session = CaptureSession((1, 2, 4))
     buffer = torch.zeros(4, 3)
-    session.register_persistent_input(buffer)
-    assert session.is_persistent(buffer[:2], (2, 3))
-    assert session.is_persistent(buffer[:1], (4, 3))  # a call of 1 row padded to 4
-    assert not session.is_persistent(buffer[1:], (2, 3))  # not where the buffer starts
-    assert not session.is_persistent(buffer[:2], (8, 3))  # more rows than the buffer has
-    assert not session.is_persistent(torch.zeros(4, 3), (4, 3))
+    session.live.add_persistent(buffer)
+    assert session.live.holds(buffer[:2], (2, 3))
+    assert session.live.holds(buffer[:1], (4, 3))  # a call of 1 row padded to 4
+    assert not session.live.holds(buffer[1:], (2, 3))  # not where the buffer starts
+    assert not session.live.holds(buffer[:2], (8, 3))  # more rows than the buffer has
+    assert not session.live.holds(torch.zeros(4, 3), (4, 3))
 
 
 def run_under_deadline(body: str) -> subprocess.CompletedProcess:
