@@ -163,7 +163,8 @@ def capture_error_in_own_process(setup: str, capture: str) -> str:
     A capture that fails on an unjoined side-stream fork leaves the forked stream in capture
     mode for the rest of the process, so such a scenario must not run in the test process.
     `setup` runs after `import torch, cgcompile` and `side = torch.cuda.Stream()`; a
-    CaptureError from `capture` is printed as "CaptureError: <message>".
+    CaptureError from `capture` is printed as "CaptureError: <message>", and it must name
+    the side stream.
     """
     script = (
         f"import torch, cgcompile\nside = torch.cuda.Stream()\n{setup}\n"
@@ -171,6 +172,7 @@ def capture_error_in_own_process(setup: str, capture: str) -> str:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert "CaptureError:" in result.stdout, result.stdout + result.stderr
+    assert "side stream" in result.stdout, result.stdout
     return result.stdout
 
 
