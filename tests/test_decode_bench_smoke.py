@@ -27,3 +27,19 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     issue4 = [t for t in model["targets"] if t["issue"] == 4]
     assert [t["op"] for t in issue4] == [">=", "<=", "<"]
     assert issue4[2]["passed"] is None  # the capture-time target is for the 1b model, on CUDA
+
+
+def test_host_probe_splits_a_step_into_parts_on_cpu(tmp_path):
+    out = tmp_path / "host_probe.json"
+    probe = BENCH.parent / "host_probe.py"
+    command = [sys.executable, str(probe), "--device", "cpu", "--model", "tiny", "--dtype", "fp32",
+               "--variants", "cgcompile-eager", "--batches", "1,3", "--steps", "3", "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["variant"], c["batch"]) for c in cases] == [("cgcompile-eager", 1), ("cgcompile-eager", 3)]
+    for case in cases:
+        # Without CUDA graphs every piece runs as FX code, called from the stitch: 2 layers, 5 pieces.
+        assert case["calls_per_step"]["pieces run eagerly"] == 5
+        assert case["calls_per_step"]["stitch code"] == 1
+        assert sum(case["parts_us"].values()) > 0

@@ -1,0 +1,271 @@
+"""Where the host time of one replayed decode step goes, part by part.
+
+A replayed step's GPU work is its graphs' kernels; everything else is Python between
+launches. This probe splits that Python into named parts by wrapping the functions a
+replayed step passes through with host-clock counters (exclusive time: a part's own time,
+its wrapped callees subtracted), then prints microseconds per step and per layer:
+
+    compiled path (Backend)       breakable path (GraphManager)
+    outside the runtime:          outside the runner:
+      Dynamo's guards and frame,    the manager, the decoder's own Python
+      the runtime's entry
+    address check                 address check (+ reading the module's tensor addresses)
+    fused weights, size policy    signature: choosing the recorded graph
+    stitch code (+ cuDNN toggle)  static inputs: copies into the graph's buffers
+    graph piece dispatch          graph launches (CUDAGraph.replay)
+    input copies (fill_all)       eager steps (attention), segment steps
+    graph launches                outputs: slicing / copies
+    output slicing, copies
+    pieces run eagerly (attention)
+
+Each step runs with the device idle before it (synchronised), so the host never waits
+on a full launch queue and its time is its own. The same steps are also timed without
+the wrappers ("step, plain") to show what the wrappers add. Uses decode_bench's model,
+inputs and variants, so the numbers sit beside its step times:
+
+    python benchmarks/host_probe.py --model 1b --batches 1,8 --variants cgcompile-inductor,breakable
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+import cgcompile
+import cgcompile.breakable.record as record
+import cgcompile.breakable.runner as runner_module
+import cgcompile.graph_piece as graph_piece
+import cgcompile.runtime as runtime_module
+from cgcompile.buffers import SizePolicy, StaticInput
+from cgcompile.breakable.signature import SignatureRule
+from cgcompile.full_graph import FullGraph
+from cgcompile.testing.decode_model import MODEL_CONFIGS
+from cgcompile.weights import FusedWeights, ModuleTensors, ParameterAddresses
+from decode_bench import build_bench, default_dtype, timing_start
+from decode_variants import VARIANT_NAMES, VARIANTS
+from harness import environment, log, synchronize, write_json
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OUTSIDE = "outside the runtime / runner"
+
+
+class HostClock:
+    """Exclusive host nanoseconds per label: a wrapped call's time minus its wrapped callees'."""
+
+    def __init__(self):
+        self.ns: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._children: list[int] = []  # per open wrapped call: its wrapped callees' time
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        clock = time.perf_counter_ns
+        stack, ns, calls = self._children, self.ns, self.calls
+
+        def timed(*args, **kwargs):
+            stack.append(0)
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = clock() - start
+                ns[label] += elapsed - stack.pop()
+                calls[label] += 1
+                if stack:
+                    stack[-1] += elapsed
+
+        return timed
+
+
+@contextlib.contextmanager
+def patched(pairs: list[tuple[object, str, Callable]]):
+    """Set each (owner, attribute, value); put every original back on exit."""
+    saved = [(owner, name, vars(owner).get(name)) for owner, name, _ in pairs]
+    try:
+        for owner, name, value in pairs:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is None:  # inherited: remove the shadowing wrapper
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def _method(clock: HostClock, label: str, cls: type, name: str) -> tuple[object, str, Callable]:
+    return cls, name, clock.wrap(label, getattr(cls, name))
+
+
+def _function(clock: HostClock, label: str, module, name: str) -> tuple[object, str, Callable]:
+    return module, name, clock.wrap(label, getattr(module, name))
+
+
+def compiled_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
+    pairs = [
+        _method(clock, "address check", ParameterAddresses, "allow"),
+        _method(clock, "fused weights", FusedWeights, "extend"),
+        _method(clock, "size policy", SizePolicy, "size_for"),
+        _method(clock, "stitch code", runtime_module.GraphRuntime, "_run"),
+        _function(clock, "cuDNN toggle", runtime_module, "call_without_cudnn_attention"),
+        _function(clock, "output copies", runtime_module, "copy_out"),
+        _method(clock, "full graph choice", FullGraph, "run"),
+        _function(clock, "input copies", graph_piece, "fill_all"),
+        _function(clock, "output slicing", graph_piece, "narrow_all"),
+        _method(clock, "graph launches", torch.cuda.CUDAGraph, "replay"),
+    ]
+    # The stitch reaches each piece through a namespace entry bound at construction.
+    for runtime in backend.runtimes:
+        for runner in runtime.runners:
+            name = runner.piece_name.rsplit(".", 1)[-1]
+            entry = vars(runtime._namespace).get(name)
+            if entry is None:
+                continue
+            graph = isinstance(runner, graph_piece.CudaGraphPiece)
+            label = "graph piece dispatch" if graph else "pieces run eagerly"
+            pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
+    return pairs
+
+
+def breakable_patches(clock: HostClock) -> list:
+    return [
+        _method(clock, "runner entry", runner_module.BreakableRunner, "_call"),
+        _method(clock, "address check", ParameterAddresses, "allow_addresses"),
+        _method(clock, "address check", ModuleTensors, "read"),
+        _method(clock, "signature", SignatureRule, "decide"),
+        _method(clock, "replay loop", runner_module.BreakableRunner, "_replay"),
+        _method(clock, "static inputs", StaticInput, "refresh"),
+        _function(clock, "static inputs", runner_module, "padded_rows_copy"),
+        _method(clock, "eager steps", record.EagerStep, "__call__"),
+        _method(clock, "graph launches", torch.cuda.CUDAGraph, "replay"),
+        _function(clock, "version bumps", runner_module, "increment_version"),
+        _function(clock, "outputs", runner_module, "_cut"),
+    ]
+
+
+def host_step_us(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:
+    """Host microseconds of each step, the device idle before each."""
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter_ns()
+        step()
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    synchronize(device)
+    return times
+
+
+def device_step_ms(step: Callable[[], object], steps: int) -> float:
+    """Median milliseconds of a step back to back on the device (CUDA events)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    for begin, end in events:
+        begin.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(b.elapsed_time(e) for b, e in events)
+
+
+def probe_case(name: str, prepared, batch: int, steps: int, device: torch.device) -> dict:
+    counter = iter(range(10**9))
+
+    def step():
+        k = next(counter)
+        return prepared.step(batch, timing_start(k), k)
+
+    for _ in range(5):  # warm: captured already; this settles caches and allocator
+        step()
+    plain = host_step_us(step, steps, device)
+    clock = HostClock()
+    backend = getattr(prepared, "backend", None)
+    pairs = compiled_patches(clock, backend) if backend is not None else breakable_patches(clock)
+    total = clock.wrap(OUTSIDE, step)
+    with patched(pairs):
+        wrapped = host_step_us(total, steps, device)
+    per_step = {label: ns / 1e3 / steps for label, ns in clock.ns.items()}
+    calls = {label: count / steps for label, count in clock.calls.items()}
+    return {
+        "variant": name, "batch": batch,
+        "step_plain_us": statistics.median(plain), "step_wrapped_us": statistics.median(wrapped),
+        "device_ms": device_step_ms(step, steps) if device.type == "cuda" else None,
+        "parts_us": dict(sorted(per_step.items(), key=lambda kv: -kv[1])), "calls_per_step": calls,
+    }
+
+
+def format_case(case: dict, layers: int) -> str:
+    lines = [f"{case['variant']} B={case['batch']}: step {case['step_plain_us']:.0f} us on the host "
+             f"({case['step_wrapped_us']:.0f} wrapped)"
+             + (f", {case['device_ms'] * 1e3:.0f} us on the device" if case["device_ms"] else "")]
+    for label, us in case["parts_us"].items():
+        calls = case["calls_per_step"][label]
+        lines.append(f"  {label:<30} {us:8.1f} us/step {us / layers:7.2f} us/layer  {calls:6.1f} calls/step")
+    return "\n".join(lines)
+
+
+def prepare_variant(name: str, bench):
+    """The variant's Prepared; for cgcompile variants, with its Backend reachable as `.backend`."""
+    variant = next(v for v in VARIANTS if v.name == name)
+    made = []
+    original = cgcompile.Backend.__init__
+
+    def remember(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    with patched([(cgcompile.Backend, "__init__", remember)]):
+        prepared = variant.prepare(bench)
+    if prepared.capture is not None:
+        prepared.capture()
+    prepared.backend = made[-1] if made else None
+    return prepared
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODEL_CONFIGS), default="1b")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--variants", default="cgcompile-inductor,breakable",
+                   help=f"comma list from {', '.join(VARIANT_NAMES)}")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--json", default=None, help="write the cases here")
+    args = p.parse_args(argv)
+    args.batches = tuple(int(b) for b in args.batches.split(","))
+    args.variants = tuple(args.variants.split(","))
+    unknown = sorted(set(args.variants) - set(VARIANT_NAMES))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {VARIANT_NAMES}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, cfg = torch.device(args.device), MODEL_CONFIGS[args.model]
+    log(f"host probe: model {args.model} ({cfg.layers} layers), {args.dtype}, batches {args.batches}")
+    bench = build_bench(args.model, cfg, device, DTYPES[args.dtype], args.batches)
+    cases = []
+    with torch.inference_mode(), default_dtype(DTYPES[args.dtype]):
+        for name in args.variants:
+            prepared = prepare_variant(name, bench)
+            for batch in args.batches:
+                prepared.step(batch, timing_start(0), 0)  # first call: compile and capture this size
+            for batch in args.batches:
+                case = probe_case(name, prepared, batch, args.steps, device)
+                cases.append(case)
+                print(format_case(case, cfg.layers), flush=True)
+            torch._dynamo.reset()
+    if args.json:
+        write_json(args.json, {"environment": environment(device), "model": args.model, "layers": cfg.layers,
+                               "cases": cases})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
