@@ -394,7 +394,7 @@ def test_encoder_beside_decoder_own_pools_interleaved_with_address_checks():
     pools = tuple(enc_backend.session.pool.handle), tuple(dec_backend.session.pool.handle)
     assert pools[0] != pools[1] and set(pools) <= private_pools() - before  # two new pools, one per model
     held = enc_backend.graphs_held(), dec_backend.graphs_held()
-    pairs = [(vit, enc, _pixels, 2e-3), (dec_model, dec, _ids, 2e-3)]
+    pairs = [(vit, enc, _pixels, 2e-3), (dec_model, dec, _cuda_ids, 2e-3)]
     _interleave(pairs, [3, 32, 2, 17, 8, 5, 32, 3])
     assert (enc_backend.graphs_held(), dec_backend.graphs_held()) == held
 

@@ -725,6 +725,7 @@ def test_a_module_that_starts_with_a_break_captures_into_a_live_pool(tail):
 
 
 _FORKS_BEFORE_A_BREAK = """
+from cgcompile.testing.models import SILLY_OP
 class Forks(torch.nn.Module):
     def __init__(self):
         super().__init__()
