@@ -11,9 +11,10 @@ its wrapped callees subtracted), then prints microseconds per step and per layer
       the runtime's entry
     address check                 address check (+ reading the module's tensor addresses)
     fused weights, size policy    signature: choosing the recorded graph
-    stitch code (+ cuDNN toggle)  static inputs: copies into the graph's buffers
+    runtime call, cuDNN toggle    static inputs: copies into the graph's buffers
+    stitch code (generated)
     graph piece dispatch          graph launches (CUDAGraph.replay)
-    input copies (fill_all)       eager steps (attention), segment steps
+    input copies (fill_all)       eager steps (attention)
     graph launches                outputs: slicing / copies
     output slicing, copies
     pieces run eagerly (attention)
@@ -99,54 +100,49 @@ def patched(pairs: list[tuple[object, str, Callable]]):
                 setattr(owner, name, value)
 
 
-def _method(clock: HostClock, label: str, cls: type, name: str) -> tuple[object, str, Callable]:
-    return cls, name, clock.wrap(label, getattr(cls, name))
+# What each path's replay passes through, by owner: {attribute: (path, label)}. Owners
+# are classes (the wrapper replaces a method for every instance) or modules (a function
+# their code calls by its global name).
+PARTS = {
+    ParameterAddresses: {"allow": ("compiled", "address check"), "allow_addresses": ("breakable", "address check")},
+    FusedWeights: {"extend": ("compiled", "fused weights")},
+    SizePolicy: {"size_for": ("compiled", "size policy")},
+    runtime_module.GraphRuntime: {"_run": ("compiled", "runtime call")},
+    runtime_module: {"call_without_cudnn_attention": ("compiled", "cuDNN toggle"),
+                     "copy_out": ("compiled", "output copies")},
+    FullGraph: {"run": ("compiled", "full graph choice")},
+    graph_piece: {"fill_all": ("compiled", "input copies"), "narrow_all": ("compiled", "output slicing")},
+    torch.cuda.CUDAGraph: {"replay": (None, "graph launches")},  # both paths
+    runner_module.BreakableRunner: {"_call": ("breakable", "runner entry"), "_replay": ("breakable", "replay loop")},
+    ModuleTensors: {"read": ("breakable", "address check")},
+    SignatureRule: {"decide": ("breakable", "signature")},
+    StaticInput: {"refresh": ("breakable", "static inputs")},
+    runner_module: {"padded_rows_copy": ("breakable", "static inputs"),
+                    "increment_version": ("breakable", "version bumps"), "_cut": ("breakable", "outputs")},
+    record.EagerStep: {"__call__": ("breakable", "eager steps")},
+}
 
 
-def _function(clock: HostClock, label: str, module, name: str) -> tuple[object, str, Callable]:
-    return module, name, clock.wrap(label, getattr(module, name))
+def wrap_parts(clock: HostClock, path: str) -> list[tuple[object, str, Callable]]:
+    return [(owner, name, clock.wrap(label, getattr(owner, name)))
+            for owner, attributes in PARTS.items() for name, (part_path, label) in attributes.items()
+            if part_path in (path, None)]
 
 
-def compiled_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
-    pairs = [
-        _method(clock, "address check", ParameterAddresses, "allow"),
-        _method(clock, "fused weights", FusedWeights, "extend"),
-        _method(clock, "size policy", SizePolicy, "size_for"),
-        _method(clock, "stitch code", runtime_module.GraphRuntime, "_run"),
-        _function(clock, "cuDNN toggle", runtime_module, "call_without_cudnn_attention"),
-        _function(clock, "output copies", runtime_module, "copy_out"),
-        _method(clock, "full graph choice", FullGraph, "run"),
-        _function(clock, "input copies", graph_piece, "fill_all"),
-        _function(clock, "output slicing", graph_piece, "narrow_all"),
-        _method(clock, "graph launches", torch.cuda.CUDAGraph, "replay"),
-    ]
-    # The stitch reaches each piece through a namespace entry bound at construction.
+def stitch_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
+    """The stitch's generated forward (a runtime holds it as `_code`) reaches each piece
+    through a namespace entry bound at construction: both are wrapped per runtime."""
+    pairs = []
     for runtime in backend.runtimes:
+        pairs.append((runtime, "_code", clock.wrap("stitch code", runtime._code)))
         for runner in runtime.runners:
             name = runner.piece_name.rsplit(".", 1)[-1]
             entry = vars(runtime._namespace).get(name)
-            if entry is None:
-                continue
-            graph = isinstance(runner, graph_piece.CudaGraphPiece)
-            label = "graph piece dispatch" if graph else "pieces run eagerly"
-            pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
+            if entry is not None:
+                graph = isinstance(runner, graph_piece.CudaGraphPiece)
+                label = "graph piece dispatch" if graph else "pieces run eagerly"
+                pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
     return pairs
-
-
-def breakable_patches(clock: HostClock) -> list:
-    return [
-        _method(clock, "runner entry", runner_module.BreakableRunner, "_call"),
-        _method(clock, "address check", ParameterAddresses, "allow_addresses"),
-        _method(clock, "address check", ModuleTensors, "read"),
-        _method(clock, "signature", SignatureRule, "decide"),
-        _method(clock, "replay loop", runner_module.BreakableRunner, "_replay"),
-        _method(clock, "static inputs", StaticInput, "refresh"),
-        _function(clock, "static inputs", runner_module, "padded_rows_copy"),
-        _method(clock, "eager steps", record.EagerStep, "__call__"),
-        _method(clock, "graph launches", torch.cuda.CUDAGraph, "replay"),
-        _function(clock, "version bumps", runner_module, "increment_version"),
-        _function(clock, "outputs", runner_module, "_cut"),
-    ]
 
 
 def host_step_us(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:
@@ -184,7 +180,10 @@ def probe_case(name: str, prepared, batch: int, steps: int, device: torch.device
     plain = host_step_us(step, steps, device)
     clock = HostClock()
     backend = getattr(prepared, "backend", None)
-    pairs = compiled_patches(clock, backend) if backend is not None else breakable_patches(clock)
+    if backend is not None:
+        pairs = wrap_parts(clock, "compiled") + stitch_patches(clock, backend)
+    else:
+        pairs = wrap_parts(clock, "breakable")
     total = clock.wrap(OUTSIDE, step)
     with patched(pairs):
         wrapped = host_step_us(total, steps, device)
