@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .capture import CaptureSession, Mode
-from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
 from .capture import GraphPool
+from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
 
 log = logging.getLogger(__name__)
 

@@ -16,14 +16,6 @@ from typing import Any, Callable
 import torch
 
 from . import dump, phases
-from .buffers import StepSize
-from .compat import torch_compile_call_of, torch_compile_call_on_stack
-from .config import Config, as_config
-from .errors import ArgumentError, CaptureError, StateError, expect, expected
-from .full_graph import FullGraph
-from .weights import FusedCopies
-from .stats import BackendStats, Piece, PieceRecords
-from .compiler import EagerPieceCompiles, PieceCompiler
 from .aot_capture import (
     MakeInputs,
     capture_all,
@@ -33,11 +25,19 @@ from .aot_capture import (
     require_cuda_graphs,
     requested_sizes,
 )
+from .buffers import StepSize
 from .capture import CaptureSession
+from .compat import torch_compile_call_of, torch_compile_call_on_stack
+from .compiler import EagerPieceCompiles, PieceCompiler
+from .config import Config, as_config
+from .errors import ArgumentError, CaptureError, StateError, expect, expected
+from .full_graph import FullGraph
+from .graph_piece import CudaGraphPiece
 from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
 from .recovery import UncapturableOps
-from .graph_piece import CudaGraphPiece
 from .runtime import GraphRuntime
+from .stats import BackendStats, Piece, PieceRecords
+from .weights import FusedCopies
 
 log = logging.getLogger(__name__)
 

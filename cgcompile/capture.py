@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
+from .buffers import LiveBuffers, PaddingTable
 from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .errors import CaptureError
-from .buffers import LiveBuffers, PaddingTable
 
 log = logging.getLogger(__name__)
 

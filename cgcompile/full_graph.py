@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from .ops import call_without_cudnn_attention
 from .buffers import StaticBuffer, empty_like_strided, fill_all
+from .buffers import StepSize
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
+from .ops import call_without_cudnn_attention
 from .passes import FullGraphPlan
-from .buffers import StepSize
 from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out
 from .stats import BackendStats
 

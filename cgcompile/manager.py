@@ -34,12 +34,12 @@ from .aot_capture import (
 )
 from .backend import Backend
 from .breakable.boundary import resolve_boundary
+from .breakable.integrations import integration_for
 from .breakable.path import BreakablePath, boundary_path
 from .breakable.segments import SEGMENT_KINDS
 from .capture import CaptureSession
 from .config import Config, as_config
 from .errors import ArgumentError, StateError, expect, expected
-from .breakable.integrations import integration_for
 
 log = logging.getLogger(__name__)
 

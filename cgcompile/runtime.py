@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 import torch
 
-from .ops import call_without_cudnn_attention
 from .buffers import overlaps
 from .buffers import SizePolicy, StepSize
+from .ops import call_without_cudnn_attention
 from .weights import FusedWeights, ParameterAddresses
 
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from typing import Any, Callable
 
 import torch
 
-from .boundary import resolve_boundary
-from .runner import BreakableRunner
 from ..capture import CaptureSession
 from ..config import Config
+from .boundary import resolve_boundary
+from .runner import BreakableRunner
 
 _MISSING = object()
 

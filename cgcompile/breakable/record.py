@@ -36,10 +36,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from .signature import Signature, StaticTensor, flatten_call, is_flat, unflatten_call
 from ..errors import CaptureError, expected
-from ..passes.split_rule import HOST_SYNC_ATEN_OPS
 from ..ops import SplitOps
+from ..passes.split_rule import HOST_SYNC_ATEN_OPS
+from .signature import Signature, StaticTensor, flatten_call, is_flat, unflatten_call
 
 log = logging.getLogger(__name__)
 

@@ -47,12 +47,12 @@ from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from transformers import cache_utils, modeling_utils
 
-from .boundary import layers_of, resolve_boundary
-from .runner import BreakableGroup, BreakableRunner
-from .path import BreakablePath
-from .record import note_host_read, run_as_eager_break
 from ..capture import CaptureSession
 from ..config import Config
+from .boundary import layers_of, resolve_boundary
+from .path import BreakablePath
+from .record import note_host_read, run_as_eager_break
+from .runner import BreakableGroup, BreakableRunner
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from ..compat import allocate_in_pool
-from .distributed import check_backend, prepare_collectives, rank_name, require_group
 from ..errors import ArgumentError, DistributedError, expect
+from .distributed import check_backend, prepare_collectives, rank_name, require_group
 
 log = logging.getLogger(__name__)
 
