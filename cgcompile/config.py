@@ -342,11 +342,11 @@ class Compile(_Group):
         {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs. Autotuning
         options lengthen the warm-up: coordinate_descent_tuning benchmarks the tile sizes of every
         kernel, max_autotune_gemm the GEMM templates of every distinct shape. None are set by
-        default.""")
+        default. Needs an Inductor compile: compiler="inductor", or a full graph that compiles.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
-        autotuning pays, since every shape there is fixed.""")
+        autotuning pays, since every shape there is fixed. Needs `compile_sizes`.""")
 
 
 @_group
@@ -594,6 +594,18 @@ def _check_across_parts(config: Config) -> None:
            'attention is compiled)', f"compiler={config.compile.compiler!r}",
            'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
            ConfigError, raw=True)
+    # Options that only patch a compile nothing makes would be dropped silently.
+    expect(config.compile.compile_sizes or not config.compile.size_inductor_options, "size_inductor_options",
+           "compile_sizes beside it (these options patch only the compiles at those sizes)",
+           "size_inductor_options without compile_sizes",
+           "add compile_sizes=(...) from capture_sizes, or move the options to inductor_options",
+           ConfigError, raw=True)
+    inductor = config.compile.compiler == "inductor" or (
+        full is not None and (full.compile or full.small_query_attention))
+    expect(inductor or not config.compile.inductor_options, "inductor_options",
+           'an Inductor compile to patch (compiler="inductor", or a full graph with full_graph_compile or '
+           "small_query_attention)", f"compiler={config.compile.compiler!r} and no full-graph compile",
+           'set compiler="inductor", or leave inductor_options out', ConfigError, raw=True)
 
 
 def _check_names(culprit: str, args: tuple, kwargs: Mapping, names: list[str]) -> None:

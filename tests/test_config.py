@@ -204,6 +204,37 @@ def test_a_full_graph_option_without_capturable_split_ops_is_refused(flat, culpr
         Config.from_options(flat)
 
 
+TUNING = {"coordinate_descent_tuning": True}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"size_inductor_options": TUNING},
+     "^size_inductor_options: expected compile_sizes beside it .*got size_inductor_options without compile_sizes; "
+     "add compile_sizes"),
+    ({"compiler": "eager", "inductor_options": TUNING},
+     "^inductor_options: expected an Inductor compile to patch .*got compiler='eager' and no full-graph compile; "
+     'set compiler="inductor"'),
+    ({"compiler": "eager", "inductor_options": TUNING, "capturable_split_ops": ("attention",)},
+     "^inductor_options: expected an Inductor compile to patch"),
+])
+def test_compile_options_with_no_compile_to_patch_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**fields)
+
+
+@pytest.mark.parametrize("fields", [
+    {"compile_sizes": (8,), "size_inductor_options": TUNING},
+    {"compiler": "inductor", "inductor_options": TUNING},
+    {"compiler": "eager", "inductor_options": TUNING, "capturable_split_ops": ("attention",), "full_graph_compile": True},
+    {"compiler": "eager", "inductor_options": TUNING, "capturable_split_ops": ("attention",),
+     "full_graph_compile": True, "small_query_attention": True},
+])
+def test_compile_options_beside_a_compile_they_patch_are_kept(fields):
+    config = Config(**fields)
+    assert dict(config.inductor_options) == fields.get("inductor_options", {})
+    assert dict(config.size_inductor_options) == fields.get("size_inductor_options", {})
+
+
 def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
     assert Config(full_graph_compile=False, small_query_attention=False, capturable_split_ops=()).full_graph is None
     assert Config(full_graph=None) == Config()
