@@ -74,7 +74,7 @@ def split_at_node(gm: GraphModule, found: Uncapturable) -> SplitGraph:
     node = next(n for n in gm.graph.nodes if n.name == found.node.name)
     reason = SplitReason(
         "capture_failed",
-        f"{found.op} failed under CUDA graph capture ({_first_line(found.error)}); {found.advice}",
+        f"{found.op} failed under CUDA graph capture ({_first_line(found.error, limit=200)}); {found.advice}",
         node.name,
     )
     return split_graph(gm, {node: reason})
@@ -122,9 +122,12 @@ class _NodeByNodeCapture(Interpreter):
         return None
 
 
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= 200 else line[:197] + "..."
+def _first_line(value: BaseException | str, limit: int | None = None) -> str:
+    """The first line of a text or an error's message (an empty message: the error's type),
+    cut to `limit` characters."""
+    text = str(value).strip()
+    line = text.splitlines()[0] if text else type(value).__name__ if isinstance(value, BaseException) else ""
+    return line if limit is None or len(line) <= limit else line[:limit - 3] + "..."
 
 
 # --------------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class UncapturableOps:
 
     def remember(self, piece_name: str, found: Uncapturable | None, error: CaptureError) -> None:
         """Remember the op `found` and warn, once per op."""
-        cause = _first_line_of(error.__cause__ or error)
+        cause = _first_line(error.__cause__ or error)
         if found is None:
             log.warning("cgcompile: capturing %s failed (%s) and no single node could be blamed; "
                         "that piece runs eagerly from now on", piece_name, cause)
@@ -225,8 +228,3 @@ class PieceRecovery:
         replacement = GraphRuntime(sub.stitch, runners, (), self.cudnn_attention, None, top.step)
         self._arm(top, replacement, sub)
         return replacement, runners
-
-
-def _first_line_of(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
