@@ -161,7 +161,11 @@ def cgcompile_report(backend) -> dict:
     }
 
 
-def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile(compiler: str, plans: bool = True, **fields) -> Callable[[Bench], Prepared]:
+    """plans False: every replay goes through the stitch and each graph piece's own
+    replay, not the runtimes' straight-line replay plans (`cgcompile.replay_plan`): the
+    baseline the plans are measured against."""
+
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
 
@@ -169,6 +173,9 @@ def prepare_cgcompile(compiler: str, **fields) -> Callable[[Bench], Prepared]:
         compiled = torch.compile(bench.host, backend=backend)
 
         def step(b, start, i):
+            if not plans:
+                for runtime in backend.runtimes:  # made at the first call of each Dynamo graph
+                    runtime.plans = None
             return compiled(bench.inputs.ids(b, i, marked=True), start)
 
         return Prepared(step, report=lambda: cgcompile_report(backend))
@@ -349,6 +356,7 @@ VARIANTS = (
     Variant("reduce-overhead", prepare_reduce_overhead, True),
     Variant("cgcompile-eager", prepare_cgcompile("eager"), True),
     Variant("cgcompile-inductor", prepare_cgcompile("inductor"), True),
+    Variant("cgcompile-inductor-stitch", prepare_cgcompile("inductor", plans=False), True),
     Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
     Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),
     Variant("cgcompile-full-whole", prepare_cgcompile_static(full=True, whole=True), True),

@@ -15,6 +15,9 @@ its wrapped callees subtracted), then prints microseconds per step and per layer
     stitch code (generated)
     graph piece dispatch          graph launches (CUDAGraph.replay)
     input copies (fill_all)       eager steps (attention)
+    or, once every graph of the
+    call's size is captured, the
+    replay plan (checks, copies)
     graph launches                outputs: slicing / copies
     output slicing, copies
     pieces run eagerly (attention)
@@ -43,6 +46,7 @@ import cgcompile
 import cgcompile.breakable.record as record
 import cgcompile.breakable.runner as runner_module
 import cgcompile.graph_piece as graph_piece
+import cgcompile.replay_plan as replay_plan
 import cgcompile.runtime as runtime_module
 from cgcompile.buffers import SizePolicy, StaticInput
 from cgcompile.breakable.signature import SignatureRule
@@ -131,8 +135,11 @@ def wrap_parts(clock: HostClock, path: str) -> list[tuple[object, str, Callable]
 
 def stitch_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
     """The stitch's generated forward (a runtime holds it as `_code`) reaches each piece
-    through a namespace entry bound at construction: both are wrapped per runtime."""
-    pairs = []
+    through a namespace entry bound at construction: both are wrapped per runtime. A
+    replay plan binds those entries and `CUDAGraph.replay` when it is made: plans made
+    while the wrappers are in place (see `replanned`) bind the wrapped ones, and the
+    plan's own time (address checks, input copies) is its exclusive time."""
+    pairs = [(replay_plan, "build_plan", _timed_plans(clock))]
     for runtime in backend.runtimes:
         pairs.append((runtime, "_code", clock.wrap("stitch code", runtime._code)))
         for runner in runtime.runners:
@@ -143,6 +150,29 @@ def stitch_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
                 label = "graph piece dispatch" if graph else "pieces run eagerly"
                 pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
     return pairs
+
+
+def _timed_plans(clock: HostClock) -> Callable:
+    build = replay_plan.build_plan
+
+    def build_timed(*args):
+        plan = build(*args)
+        return None if plan is None else clock.wrap("replay plan (checks, input copies)", plan)
+
+    return build_timed
+
+
+@contextlib.contextmanager
+def replanned(backend):
+    """Plans made anew on entry and on exit (so that they bind what is patched then)."""
+    sessions = {rt.session for rt in backend.runtimes if rt.session is not None} if backend else set()
+    for session in sessions:
+        session.epoch += 1
+    try:
+        yield
+    finally:
+        for session in sessions:
+            session.epoch += 1
 
 
 def host_step_us(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:
@@ -185,7 +215,7 @@ def probe_case(name: str, prepared, batch: int, steps: int, device: torch.device
     else:
         pairs = wrap_parts(clock, "breakable")
     total = clock.wrap(OUTSIDE, step)
-    with patched(pairs):
+    with patched(pairs), replanned(backend):
         wrapped = host_step_us(total, steps, device)
     per_step = {label: ns / 1e3 / steps for label, ns in clock.ns.items()}
     calls = {label: count / steps for label, count in clock.calls.items()}

@@ -142,6 +142,7 @@ class CaptureSession:
         # size runs without one instead of capturing it lazily (see `cgcompile.memory_plan`).
         self.lazy_capture = True
         self.graphs_captured = 0
+        self.epoch = 0  # bumped whenever a graph piece captures or drops a graph (see replay_plan)
         self._pool = pool
         self._pool_given = pool is not None  # a shared pool outlives clear()
         self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again

@@ -31,6 +31,7 @@ from .buffers import (StaticBuffer, StepSize, TracedLayout, copy_rows, empty_lik
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import example_value, written_inputs
+from .replay_plan import CapturedGraph
 from .runtime import PieceRunner
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,14 @@ class CudaGraphPiece(PieceRunner):
 
     def clear(self) -> None:
         self.graphs.clear()
+        self.session.epoch += 1
+
+    def captured_graph(self, size: int) -> CapturedGraph | None:
+        """This piece's graph of `size` as a replay plan binds it, or None (not captured)."""
+        entry = self.graphs.get(size)
+        if entry is None:
+            return None
+        return CapturedGraph(entry.graph.replay, entry.inputs, entry.outputs, self.layout.output_dims)
 
     def forward(self, *args):
         n, size = self.step.n, self.step.size
@@ -233,6 +242,7 @@ class CudaGraphPiece(PieceRunner):
         )
         entry = _Graph(graph, inputs, addresses, tuple(weak_alias(o) for o in outputs))
         self.graphs[size] = entry
+        self.session.epoch += 1
         for i in self._copy_inputs:  # the first replay needs the real data
             if isinstance(static_args[i], torch.Tensor) and i not in in_place:
                 copy_rows(static_args[i], padded[i])

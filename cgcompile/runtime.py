@@ -10,7 +10,9 @@ import torch
 
 from .buffers import overlaps
 from .buffers import SizePolicy, StepSize
+from .capture import Mode
 from .ops import call_without_cudnn_attention
+from .replay_plan import ReplayPlans
 from .weights import FusedWeights, ParameterAddresses
 
 log = logging.getLogger(__name__)
@@ -176,6 +178,10 @@ class GraphRuntime:
         self.session = session
         self.addresses = None if addresses is None else ParameterAddresses(
             addresses.name, addresses.indices, addresses.names, self._recapture)
+        # Replays through straight-line plans, except where each replay checks addresses
+        # (Config.check_addresses: the graph pieces' own replay does that).
+        self.plans = None if session is None or session.check_addresses or not any(
+            hasattr(r, "captured_graph") for r in runners) else ReplayPlans(stitch, vars(self._namespace), session)
         if recovery is not None:
             recovery.arm(self)
 
@@ -191,6 +197,8 @@ class GraphRuntime:
         """Call `new` where `old` was called (recovery after a failed capture)."""
         name = old.piece_name.rsplit(".", 1)[-1]
         setattr(self._namespace, name, new)
+        if self.session is not None:
+            self.session.epoch += 1  # replay plans bound the old runner
         self.runners = [r for r in self.runners if r is not old] + list(new_runners)
 
     def drop_graphs(self) -> None:
@@ -227,8 +235,18 @@ class GraphRuntime:
                 "its parameters are not where its graphs read them")
             if outputs is not None:
                 return outputs
-        if self.cudnn_attention:
+        plan = self._plan()
+        if plan is not None:
+            outputs = plan(args) if self.cudnn_attention else call_without_cudnn_attention(plan, args)
+        elif self.cudnn_attention:
             outputs = self._code(self._namespace, *args)
         else:
             outputs = call_without_cudnn_attention(self._code, self._namespace, *args)
         return copy_out(outputs, self.clone_outputs) if self.clone_outputs else outputs
+
+    def _plan(self):
+        """The replay plan of this call's size, when every graph piece has its graph."""
+        size = self.step.size
+        if self.plans is None or size is None or self.session.mode is not Mode.LAZY:
+            return None
+        return self.plans.get(self.step.n, size)

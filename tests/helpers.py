@@ -9,6 +9,7 @@ Test files import this module as `helpers` (pytest puts tests/, the folder of co
 on sys.path); no test file imports another test file.
 """
 
+import dataclasses
 import subprocess
 import sys
 
@@ -174,6 +175,66 @@ def capture_error_in_own_process(setup: str, capture: str) -> str:
     assert "CaptureError:" in result.stdout, result.stdout + result.stderr
     assert "side stream" in result.stdout, result.stdout
     return result.stdout
+
+
+class FakeGraph:
+    """On CPU, a stand-in for a captured CUDA graph: a replay runs the captured function
+    again on the captured (static) inputs and writes the captured outputs, so a replay
+    that left a buffer unfilled reads what it held before, as on the GPU.
+
+    capturing: True while a fake capture runs (an op may refuse to run then, as a
+    host-reading op does under a real capture); replays, captures: counts so far."""
+
+    capturing = False
+    replays = 0
+    captures = 0
+
+    def __init__(self, fn, args, outputs):
+        self.fn, self.args, self.outputs = fn, args, outputs
+        FakeGraph.captures += 1
+
+    def replay(self):
+        FakeGraph.replays += 1
+        for out, new in zip(self.outputs, self.fn(*self.args)):
+            out.copy_(new)
+
+
+def _fake_capture(session, name, fn, make_args):
+    args = make_args()
+    # A real capture records without running: what the run writes into its inputs is undone.
+    saved = [(a, a.clone()) for a in args if isinstance(a, torch.Tensor)]
+    FakeGraph.capturing = True
+    try:
+        outputs = tuple(fn(*args))
+    except RuntimeError as e:
+        raise cgcompile.CaptureError(f"capturing {name} failed: {e}") from e
+    finally:
+        FakeGraph.capturing = False
+        for tensor, before in saved:
+            tensor.copy_(before)
+    return FakeGraph(fn, args, outputs), args, outputs
+
+
+def _zeros_strided(t: torch.Tensor) -> torch.Tensor:
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.new_zeros(span if t.numel() else 0).as_strided(t.shape, t.stride())
+
+
+def fake_cuda_graphs(monkeypatch) -> None:
+    """Make graph pieces run on CPU as on the GPU: the analysis says CUDA graphs are on,
+    and captures make `FakeGraph`s. Only the capture itself is faked."""
+    from cgcompile import graph_piece, phases
+    from cgcompile.capture import CaptureSession
+
+    analyse = phases.analyse
+    monkeypatch.setattr(phases, "analyse", lambda *a: dataclasses.replace(analyse(*a), cudagraphs=True))
+    monkeypatch.setattr(CaptureSession, "capture", _fake_capture)
+    monkeypatch.setattr(CaptureSession, "warm_up", lambda session, fn, *args: fn(*args))
+    monkeypatch.setattr(graph_piece, "weak_alias", lambda t: t)
+    # Buffers made for a capture hold zeros, not garbage: the fake capture runs on them
+    # (garbage ids would index out of range).
+    monkeypatch.setattr(graph_piece, "empty_like_strided", _zeros_strided)
+    FakeGraph.replays = FakeGraph.captures = 0
 
 
 def compiled_toy_llama(compiler: str, sizes: tuple[int, ...], n_layers: int = 3, **fields):

@@ -1,15 +1,13 @@
 """Recovery from a failed capture: the piece is split at the node a graph cannot hold
 (GPU; and on CPU through a fake capture that refuses the same op)."""
 
-import dataclasses
-
+import helpers
 import pytest
 import torch
 from torch.fx import Interpreter
 
 import cgcompile
-from cgcompile import graph_piece, phases, recovery
-from cgcompile.capture import CaptureSession
+from cgcompile import recovery
 
 LIB = torch.library.Library("cgcompile_recovery_test", "DEF")
 LIB.define("reads_on_host(Tensor x) -> Tensor")
@@ -25,15 +23,8 @@ def _reads_on_host(x):
 LIB.impl("reads_on_host", _reads_on_host, "CUDA")
 
 
-class _FakeCapture:
-    """On CPU: a "capture" runs the function, and the op above refuses to run meanwhile."""
-
-    active = False
-    replays = 0
-
-
 def _reads_on_host_cpu(x):
-    if _FakeCapture.active:
+    if helpers.FakeGraph.capturing:
         raise RuntimeError("operation not permitted when stream is capturing")
     return _reads_on_host(x)
 
@@ -122,38 +113,14 @@ def test_pieces_after_a_recovered_cut_get_inputs_in_their_traced_layout():
     assert any((p.reason or "").startswith("capture_failed: split at ") for p in backend.pieces)
 
 
-class _FakeGraph:
-    """Replays by running the captured function again into the captured outputs."""
-
-    def __init__(self, fn, args, outputs):
-        self.fn, self.args, self.outputs = fn, args, outputs
-
-    def replay(self):
-        _FakeCapture.replays += 1
-        for out, new in zip(self.outputs, self.fn(*self.args)):
-            out.copy_(new)
-
-
-def _fake_capture(session, name, fn, make_args):
-    args = make_args()
-    _FakeCapture.active = True
-    try:
-        outputs = tuple(fn(*args))
-    except RuntimeError as e:
-        raise cgcompile.CaptureError(f"capturing {name} failed: {e}") from e
-    finally:
-        _FakeCapture.active = False
-    return _FakeGraph(fn, args, outputs), args, outputs
-
-
 def _fake_capture_alone(finder, node):
-    _FakeCapture.active = True
+    helpers.FakeGraph.capturing = True
     try:
         Interpreter.run_node(finder, node)
     except RuntimeError as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        _FakeCapture.active = False
+        helpers.FakeGraph.capturing = False
     return None
 
 
@@ -162,13 +129,8 @@ def test_recovery_on_cpu_splits_the_piece_and_later_graphs_split_without_searchi
     # itself is faked, and the analysis says the graph's pieces are replayed from graphs.
     global W
     W = torch.randn(16, 16)
-    analyse = phases.analyse
-    monkeypatch.setattr(phases, "analyse", lambda *a: dataclasses.replace(analyse(*a), cudagraphs=True))
-    monkeypatch.setattr(CaptureSession, "capture", _fake_capture)
-    monkeypatch.setattr(CaptureSession, "warm_up", lambda session, fn, *args: fn(*args))
-    monkeypatch.setattr(graph_piece, "weak_alias", lambda t: t)
+    helpers.fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(recovery._NodeByNodeCapture, "_capture_alone", _fake_capture_alone)
-    _FakeCapture.replays = 0
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(1, 2, 4, 8)))
     first, second = torch.compile(_model, backend=backend), torch.compile(_another_model, backend=backend)
     for n in (3, 5, 8, 3, 5):
@@ -186,4 +148,4 @@ def test_recovery_on_cpu_splits_the_piece_and_later_graphs_split_without_searchi
     assert any("failed CUDA graph capture in an earlier graph" in (p.reason or "") for p in later)
     assert caplog.text.count("cannot be captured in a CUDA graph") == 1  # one warning per op
     assert backend.stats.capturable_pieces == sum(p.capturable for p in backend.pieces) == 4
-    assert _FakeCapture.replays > 0 and backend.graphs_held() > 0
+    assert helpers.FakeGraph.replays > 0 and backend.graphs_held() > 0

@@ -1,0 +1,125 @@
+"""Replay plans (`cgcompile.replay_plan`): a straight-line replay per call size.
+
+On the CPU through fake graphs (`helpers.fake_cuda_graphs`): a fake replay recomputes
+the piece from its static input buffers into its static outputs, so a plan that left a
+buffer unfilled returns stale results, as a real graph would. The GPU runs them in the
+cuda tests, the zoo and the fuzzer (benchmarks/gpu_verify.sh)."""
+
+import re
+
+import helpers
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.replay_plan import ReplayPlans
+from cgcompile.testing import fuzz
+from cgcompile.testing.models import SILLY_OP, ToyLlama
+
+
+def _toy(n_layers=3, **fields):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ToyLlama(n_layers, hidden=32, vocab=64)
+    config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler="eager", capture_sizes=(1, 2, 4, 8), **fields)
+    backend = cgcompile.Backend(config)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _ids(n, seed):
+    ids = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
+    torch._dynamo.mark_dynamic(ids, 0)
+    return ids
+
+
+def test_calls_after_capture_replay_through_plans_and_match_eager(monkeypatch):
+    helpers.fake_cuda_graphs(monkeypatch)
+    model, backend, compiled = _toy()
+    sizes = (3, 5, 1, 8, 3, 5, 1, 8, 3, 7)
+    with torch.no_grad():
+        for seed, n in enumerate(sizes):
+            torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), rtol=0, atol=0)
+    plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
+    assert plans and sum(p.made for p in plans) >= 4  # n=3, 5, 8, 7 at least (n=1: Dynamo's static graph)
+    assert helpers.FakeGraph.replays > helpers.FakeGraph.captures > 0
+
+
+def test_a_plan_launches_every_graph_and_passes_no_parameter(monkeypatch):
+    helpers.fake_cuda_graphs(monkeypatch)
+    model, backend, compiled = _toy(n_layers=3)
+    with torch.no_grad():
+        for seed in range(3):
+            compiled(_ids(3, seed))
+    runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
+    plan = runtime.plans.get(3, 4)
+    graph_pieces = sum(p.capturable for p in backend.pieces if p.graph_index == backend.runtimes.index(runtime))
+    assert plan.source.count("replay") == graph_pieces + 1  # + the function's own name
+    assert "weight" not in plan.source  # parameters are read by address, never passed
+    # Graph to graph, values lie in place: only the ids and each eager result are copied.
+    assert plan.source.count(".copy_") + plan.source.count("copy_in") == 1 + 3
+
+
+def test_dropped_graphs_drop_the_plans_and_calls_capture_again(monkeypatch):
+    helpers.fake_cuda_graphs(monkeypatch)
+    model, backend, compiled = _toy()
+    with torch.no_grad():
+        for seed in range(3):
+            compiled(_ids(5, seed))
+        captured = helpers.FakeGraph.captures
+        for runtime in backend.runtimes:
+            runtime.drop_graphs()
+        for seed in range(3, 6):
+            torch.testing.assert_close(compiled(_ids(5, seed)), model(_ids(5, seed)), rtol=0, atol=0)
+    assert helpers.FakeGraph.captures == 2 * captured > 0
+
+
+def test_stale_input_buffers_show_as_a_mismatch(monkeypatch):
+    """The fake graphs see an unfilled buffer: a plan that skips an eager piece's copy fails."""
+    helpers.fake_cuda_graphs(monkeypatch)
+    model, backend, compiled = _toy()
+    with torch.no_grad():
+        for seed in range(2):
+            compiled(_ids(4, seed))
+        runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
+        good = runtime.plans.get(4, 4)
+        broken = re.sub(r": copy\w*\(.*\)$", ": pass", good.source, flags=re.M)  # buffers keep old rows
+        assert broken.count(": pass") == 4
+        namespace = dict(good.__globals__)
+        exec(broken.replace("def replay", "def broken"), namespace)
+        runtime.plans._plans[(4, 4)] = namespace["broken"]
+        assert not torch.equal(compiled(_ids(4, 9)), model(_ids(4, 9)))
+
+
+def test_fuzzed_walks_with_state_match_eager_through_plans(monkeypatch):
+    """Random programs over a walk of sizes, walked twice: the second pass replays
+    through plans where the program has graphs."""
+    helpers.fake_cuda_graphs(monkeypatch)
+    served = []
+    get = ReplayPlans.get
+
+    def counted(self, n, size):
+        plan = get(self, n, size)
+        served[-1] += plan is not None
+        return plan
+
+    monkeypatch.setattr(ReplayPlans, "get", counted)
+    setup = fuzz.Setup("eager", "cpu", padding=True, sequence=fuzz.SEQUENCE_LENGTH)
+    for seed in range(12):
+        served.append(0)
+        program, sizes = setup.case(seed)
+        outcome = fuzz.run_case(program, sizes + sizes, setup)
+        assert outcome.status == "ok", (outcome, fuzz.reproducer(program, sizes + sizes, setup))
+    assert sum(count > 0 for count in served) >= 6, served
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_on_the_gpu_plans_replay_and_match_eager_over_a_walk_of_sizes(compiler):
+    model, backend, compiled = helpers.compiled_toy_llama(compiler, (1, 2, 4, 8))
+    with torch.no_grad():
+        for n in (3, 5, 1, 8, 3, 5, 1, 8, 3, 7, 3):
+            ids = helpers.dynamic_ids(n)
+            torch.testing.assert_close(compiled(ids), model(ids))
+    plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
+    assert plans and sum(p.made for p in plans) >= 4
+    assert backend.stats.graphs_captured > 0
