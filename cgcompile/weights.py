@@ -21,6 +21,7 @@ breakable path reads the captured module itself (`ModuleTensors`).
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Callable, Sequence
 
 import torch
@@ -35,6 +36,17 @@ _DYNAMO_ADVICE = ("Dynamo reuses compiled code for every instance of a module cl
                   "call (generate(past_key_values=cache), after cache.reset()) to keep the graphs.")
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _picker(indices: tuple[int, ...]) -> Callable[[Sequence], tuple]:
+    """args -> (args[i] for i in indices), as a tuple, whatever the number of indices."""
+    if len(indices) == 1:
+        index = indices[0]
+        return lambda args: (args[index],)
+    return operator.itemgetter(*indices) if indices else (lambda args: ())
+
+
 class ParameterAddresses:
     """indices: positions of the parameters and buffers among a graph's inputs (for `allow`);
     names: what each address is, for the log; drop_graphs: forgets the graphs that read
@@ -45,6 +57,7 @@ class ParameterAddresses:
                  *, advice: str = _DYNAMO_ADVICE, warned: set | None = None):
         self.name = name
         self.indices = tuple(indices)
+        self._pick = _picker(self.indices)
         self.names = names
         self.drop_graphs = drop_graphs
         self.advice = advice
@@ -56,7 +69,9 @@ class ParameterAddresses:
 
     def allow(self, args: Sequence) -> bool:
         """Whether this call of the graph may replay (or capture) graphs."""
-        return self.allow_addresses([args[i].data_ptr() for i in self.indices])
+        # Every call reads every address: picked out and read in C (itemgetter, map), not
+        # through a Python loop, about half the host time for a model's parameters.
+        return self.allow_addresses(list(map(_data_ptr, self._pick(args))))
 
     def allow_addresses(self, addresses: list[int]) -> bool:
         """Whether a call whose parameters and buffers lie at `addresses` may replay graphs."""
