@@ -26,6 +26,15 @@ def _toy(n_layers=3, **fields):
     return model, backend, torch.compile(model, backend=backend)
 
 
+def _planned(n: int, calls: int = 3, **fields):
+    """(model, backend, compiled, the runtime with plans) after `calls` calls of n rows."""
+    model, backend, compiled = _toy(**fields)
+    with torch.no_grad():
+        for seed in range(calls):
+            compiled(_ids(n, seed))
+    return model, backend, compiled, next(rt for rt in backend.runtimes if rt.plans is not None)
+
+
 def _ids(n, seed):
     ids = torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed))
     torch._dynamo.mark_dynamic(ids, 0)
@@ -46,11 +55,7 @@ def test_calls_after_capture_replay_through_plans_and_match_eager(monkeypatch):
 
 def test_a_plan_launches_every_graph_and_passes_no_parameter(monkeypatch):
     helpers.fake_cuda_graphs(monkeypatch)
-    model, backend, compiled = _toy(n_layers=3)
-    with torch.no_grad():
-        for seed in range(3):
-            compiled(_ids(3, seed))
-    runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
+    model, backend, compiled, runtime = _planned(3, n_layers=3)
     plan = runtime.plans.get(3, 4)
     graph_pieces = sum(p.capturable for p in backend.pieces if p.graph_index == backend.runtimes.index(runtime))
     assert plan.source.count("replay") == graph_pieces + 1  # + the function's own name
@@ -61,11 +66,9 @@ def test_a_plan_launches_every_graph_and_passes_no_parameter(monkeypatch):
 
 def test_dropped_graphs_drop_the_plans_and_calls_capture_again(monkeypatch):
     helpers.fake_cuda_graphs(monkeypatch)
-    model, backend, compiled = _toy()
+    model, backend, compiled, _ = _planned(5)
+    captured = helpers.FakeGraph.captures
     with torch.no_grad():
-        for seed in range(3):
-            compiled(_ids(5, seed))
-        captured = helpers.FakeGraph.captures
         for runtime in backend.runtimes:
             runtime.drop_graphs()
         for seed in range(3, 6):
@@ -76,11 +79,8 @@ def test_dropped_graphs_drop_the_plans_and_calls_capture_again(monkeypatch):
 def test_stale_input_buffers_show_as_a_mismatch(monkeypatch):
     """The fake graphs see an unfilled buffer: a plan that skips an eager piece's copy fails."""
     helpers.fake_cuda_graphs(monkeypatch)
-    model, backend, compiled = _toy()
+    model, backend, compiled, runtime = _planned(4, calls=2)
     with torch.no_grad():
-        for seed in range(2):
-            compiled(_ids(4, seed))
-        runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
         good = runtime.plans.get(4, 4)
         broken = re.sub(r": copy\w*\(.*\)$", ": pass", good.source, flags=re.M)  # buffers keep old rows
         assert broken.count(": pass") == 4
