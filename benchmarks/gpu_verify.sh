@@ -5,6 +5,7 @@
 # timed). Logs and JSON go to $OUT/verify.tgz; the summary is printed.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
+#   ONLY="pytest_graphs zoo_a" OUT=/tmp/out bash benchmarks/gpu_verify.sh 240   # named jobs only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -15,6 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.lo
 
 job() {  # job NAME COMMAND...: run in the background under the time limit, log to $LOGS/NAME.log
   local name=$1; shift
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then return; fi
   (timeout "$LIMIT" "$@" >"$LOGS/$name.log" 2>&1; echo "$name exit $?" >>"$LOGS/status.txt") &
 }
 

@@ -167,12 +167,12 @@ def replanned(backend):
     """Plans made anew on entry and on exit (so that they bind what is patched then)."""
     sessions = {rt.session for rt in backend.runtimes if rt.session is not None} if backend else set()
     for session in sessions:
-        session.epoch += 1
+        session.graphs_changed()
     try:
         yield
     finally:
         for session in sessions:
-            session.epoch += 1
+            session.graphs_changed()
 
 
 def host_step_us(step: Callable[[], object], steps: int, device: torch.device) -> list[float]:

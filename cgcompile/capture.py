@@ -142,7 +142,7 @@ class CaptureSession:
         # size runs without one instead of capturing it lazily (see `cgcompile.memory_plan`).
         self.lazy_capture = True
         self.graphs_captured = 0
-        self.epoch = 0  # bumped whenever a graph piece captures or drops a graph (see replay_plan)
+        self._plans: "weakref.WeakSet" = weakref.WeakSet()  # runtimes' replay plans (`graphs_changed`)
         self._pool = pool
         self._pool_given = pool is not None  # a shared pool outlives clear()
         self._retired: list[GraphPool] = []  # pools a capture failed in: never captured into again
@@ -302,6 +302,17 @@ class CaptureSession:
                          "its replays launch nothing", name)
                 graph = EmptyGraph(graph)
         return graph, args, outputs
+
+    def add_plans(self, plans) -> None:
+        """Have `plans` (a `replay_plan.ReplayPlans`) forgotten at every `graphs_changed`."""
+        self._plans.add(plans)
+
+    def graphs_changed(self) -> None:
+        """A graph was captured or dropped, or a runner replaced: every replay plan, which
+        binds graphs and runners, is made anew at its next call (and lets go of dropped
+        graphs now, so that their memory returns to the pool)."""
+        for plans in list(self._plans):
+            plans.clear()
 
     def release_graphs(self) -> None:
         """Reset every graph begun here, then `clear`. Resetting the graphs themselves, not

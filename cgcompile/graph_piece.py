@@ -131,7 +131,7 @@ class CudaGraphPiece(PieceRunner):
 
     def clear(self) -> None:
         self.graphs.clear()
-        self.session.epoch += 1
+        self.session.graphs_changed()
 
     def captured_graph(self, size: int) -> CapturedGraph | None:
         """This piece's graph of `size` as a replay plan binds it, or None (not captured)."""
@@ -242,7 +242,7 @@ class CudaGraphPiece(PieceRunner):
         )
         entry = _Graph(graph, inputs, addresses, tuple(weak_alias(o) for o in outputs))
         self.graphs[size] = entry
-        self.session.epoch += 1
+        self.session.graphs_changed()
         for i in self._copy_inputs:  # the first replay needs the real data
             if isinstance(static_args[i], torch.Tensor) and i not in in_place:
                 copy_rows(static_args[i], padded[i])

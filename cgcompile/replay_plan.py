@@ -18,9 +18,9 @@ Why it is sound: a value one graph hands straight to the next lies at the next g
 buffer (the address and strides it was captured reading in place, compared when the
 plan is made): the generic path would check it and copy nothing every call, so the plan
 leaves the check out. Every other input is checked as before. A graph output lives at
-its alias as long as the graph exists; a plan is dropped whenever any graph of the
-session is captured or dropped, or a runner is replaced (`CaptureSession.epoch`), and
-runs only while the session captures lazily (never during an ahead-of-time capture).
+its alias as long as the graph exists; plans are dropped whenever a graph of the session
+is captured or dropped, or a runner is replaced (`CaptureSession.graphs_changed`), and
+run only while the session captures lazily (never during an ahead-of-time capture).
 """
 
 from __future__ import annotations
@@ -212,10 +212,11 @@ def _compile(out: _Writer, stitch: torch.fx.GraphModule, n: int, size: int) -> C
 
 class ReplayPlans:
     """One runtime's replay plans by (n, size), made at the first call that finds every
-    graph piece captured at that size, and all dropped when the session's graphs change.
+    graph piece captured at that size, and all dropped when the session's graphs change
+    (`CaptureSession.graphs_changed`).
 
     calls: the runtime's per-piece callables by submodule name, read when a plan is made
-    (a recovery replaces entries: it changes the epoch too).
+    (a recovery replaces entries, and says so through `graphs_changed`).
     """
 
     def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], session):
@@ -223,14 +224,14 @@ class ReplayPlans:
         self.calls = calls
         self.session = session
         self.made = 0  # plans made over the runtime's life (a plan per size, again after a change)
-        self._epoch = session.epoch
         self._plans: dict[tuple[int, int], Callable | None] = {}
+        session.add_plans(self)
+
+    def clear(self) -> None:
+        self._plans.clear()
 
     def get(self, n: int, size: int) -> Callable | None:
         """The plan for a call of n rows at `size`; None: run the stitch (it captures)."""
-        if self._epoch != self.session.epoch:
-            self._plans.clear()
-            self._epoch = self.session.epoch
         key = (n, size)
         if key not in self._plans:
             plan = build_plan(self.stitch, self.calls, n, size)

@@ -198,7 +198,7 @@ class GraphRuntime:
         name = old.piece_name.rsplit(".", 1)[-1]
         setattr(self._namespace, name, new)
         if self.session is not None:
-            self.session.epoch += 1  # replay plans bound the old runner
+            self.session.graphs_changed()  # replay plans bound the old runner
         self.runners = [r for r in self.runners if r is not old] + list(new_runners)
 
     def drop_graphs(self) -> None:
