@@ -29,6 +29,8 @@ from .ops import CapturableOps, normalize_capturable
 from .ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
+# Config.full_graph's default: full graphs wherever a graph has CUDA graphs (`Config.full_graph_for`).
+AUTO = "auto"
 COMPILERS = ("eager", "inductor")
 DUMP_DIR_ENV = "CGCOMPILE_DUMP_DIR"
 USE_BREAKABLE_ENV = "CGCOMPILE_USE_BREAKABLE"
@@ -388,9 +390,12 @@ class Rewrites(_Group):
 class FullGraphOptions(_Group):
     """One CUDA graph of the whole Dynamo graph, split ops included. A call replays it when every
     host value and every input address the split ops read equals the captured one, else it runs
-    piecewise (see `cgcompile.full_graph`). `Config.full_graph` is None by default (always
-    piecewise); its options exist only inside this record, so none can be set without it. Flat
-    reads see `capturable_split_ops=()` and the defaults below when it is None."""
+    piecewise (see `cgcompile.full_graph`). `Config.full_graph` is "auto" by default: each graph
+    that runs with CUDA graphs and has an eager piece gets `FullGraphOptions(small_query_attention=True)`
+    (without small_query_attention under compiler="eager"), any other graph none (see
+    `Config.full_graph_for`); None turns full graphs off. The options exist only inside this
+    record, so none can be set without it. Flat reads see the automatic options where it is "auto"
+    (none with cudagraphs=False), `capturable_split_ops=()` and the defaults below where it is None."""
 
     split_ops: tuple[Any, ...] = option(("attention",), _capturable_ops, flat="capturable_split_ops",
                                         normalise=_as_tuple, doc="""
@@ -418,6 +423,23 @@ class FullGraphOptions(_Group):
         expect(len(self.split_ops) > 0, "capturable_split_ops", "at least one split op the full graph may capture",
                self.split_ops, 'write FullGraphOptions(split_ops=("attention",)), or full_graph=None for no full graphs',
                ConfigError)
+
+    @functools.cached_property
+    def capturable_ops(self) -> CapturableOps:
+        return CapturableOps(frozenset(_capturable("capturable_split_ops", op) for op in self.split_ops))
+
+
+def automatic_full_graph(compiler: str) -> FullGraphOptions:
+    """What `full_graph="auto"` gives a graph that runs with CUDA graphs: attention captured
+    into the full graph, and decode attention lowered to batched matmuls where Inductor
+    compiles (small_query_attention needs a compile; with compiler="eager" nothing does).
+
+    Why this is sound as a default: a call replays the full graph only when every host
+    value and input address attention reads equals the captured one, and a full graph is
+    captured only on the second consecutive call of a size with the same key
+    (`cgcompile.full_graph`); a model whose cache length changes every step never
+    captures one and runs piecewise, as without it."""
+    return FullGraphOptions(split_ops=("attention",), small_query_attention=compiler == "inductor")
 
 
 @_group
@@ -448,9 +470,10 @@ class Manager(_Group):
 
 
 def _part(cls: type, optional: bool = False) -> Any:
-    """A Config field holding one group: its defaults, or None (off) where `optional`."""
+    """A Config field holding one group: its defaults; where `optional`, AUTO (resolved per
+    graph, see `Config.full_graph_for`), and None is accepted for off."""
     if optional:
-        return dataclasses.field(default=None, metadata={"group": cls})
+        return dataclasses.field(default=AUTO, metadata={"group": cls, "optional": True})
     return dataclasses.field(default_factory=cls, metadata={"group": cls})
 
 
@@ -465,12 +488,15 @@ class Config:
     `dataclasses.replace(config, compiler="eager")` works. Every flat name reads back as an
     attribute: `config.capture_sizes`.
 
-    The full-graph options exist only inside `full_graph`, None by default:
-    `Config(full_graph=FullGraphOptions(compile=True))`, or flat,
-    `Config(capturable_split_ops=("attention",), full_graph_compile=True)`. A full-graph
-    option without `capturable_split_ops` is refused: there would be no full graph to apply
-    it to. Unknown names, wrong types and values that cannot work together raise
-    ConfigError when the Config is built.
+    The full-graph options exist only inside `full_graph`. Its default, "auto", gives every
+    graph that runs with CUDA graphs a full graph with attention captured and decode attention
+    lowered (`full_graph_for`); graphs without CUDA graphs (CPU) stay piecewise, and
+    `full_graph=None` (or flat `capturable_split_ops=()`) keeps every graph piecewise. Written
+    out: `Config(full_graph=FullGraphOptions(compile=True))`, or flat,
+    `Config(capturable_split_ops=("attention",), full_graph_compile=True)`; flat full-graph
+    names replace the automatic default. A full-graph option without `capturable_split_ops` is
+    refused: there would be no full graph to apply it to. Unknown names, wrong types and
+    values that cannot work together raise ConfigError when the Config is built.
     """
 
     split: Split = _part(Split)
@@ -478,7 +504,7 @@ class Config:
     compile: Compile = _part(Compile)
     graphs: Graphs = _part(Graphs)
     rewrites: Rewrites = _part(Rewrites)
-    full_graph: FullGraphOptions | None = _part(FullGraphOptions, optional=True)
+    full_graph: FullGraphOptions | str | None = _part(FullGraphOptions, optional=True)  # AUTO, a record, None
     debug: Debug = _part(Debug)
     manager: Manager = _part(Manager)
 
@@ -494,10 +520,26 @@ class Config:
     def split_ops(self) -> SplitOps:
         return SplitOps(frozenset(normalize_op(_held_op(op)) for op in self.split.splitting_ops))
 
-    @functools.cached_property
+    @property
     def capturable_ops(self) -> CapturableOps:
-        ops = self.full_graph.split_ops if self.full_graph else ()
-        return CapturableOps(frozenset(_capturable("capturable_split_ops", op) for op in ops))
+        """The split ops a full graph may capture, as flat reads see them (`flat_full_graph`)."""
+        full = self.flat_full_graph()
+        return full.capturable_ops if full else CapturableOps(frozenset())
+
+    def flat_full_graph(self) -> FullGraphOptions | None:
+        """The full-graph options flat reads report: where `full_graph` is "auto", those of a
+        graph with CUDA graphs, unless `cudagraphs=False` turns them off for every graph. The
+        engine never reads these: it asks `full_graph_for` with each graph's own cudagraphs."""
+        return self.full_graph_for(cudagraphs=self.graphs.cudagraphs is not False)
+
+    def full_graph_for(self, cudagraphs: bool) -> FullGraphOptions | None:
+        """The full-graph options of a graph that runs with CUDA graphs on or off: `full_graph`
+        as written, or where it is "auto" (the default), `automatic_full_graph` with graphs on
+        and None without. Every reader in the engine asks here, with its graph's own
+        `cudagraphs`: a graph on CPU never sees the automatic options."""
+        if self.full_graph != AUTO:
+            return self.full_graph
+        return automatic_full_graph(self.compile.compiler) if cudagraphs else None
 
     @property
     def max_capture_size(self) -> int:
@@ -543,31 +585,35 @@ def _build_part(part: dataclasses.Field, given: Any, flat: dict[str, Any]) -> An
     """One group of a Config: the one given (a record or a dict of its fields) or the
     defaults, with the flat names given beside it applied on top."""
     cls = part.metadata["group"]
-    if part.default is None:
+    if part.metadata.get("optional"):
         return _full_graph(_given_part(part.name, cls, given, optional=True), flat)
     base = cls() if given is _UNSET else _given_part(part.name, cls, given)
     return dataclasses.replace(base, **flat) if flat else base
 
 
 def _given_part(name: str, cls: type, value: Any, optional: bool = False) -> Any:
-    if value is _UNSET or (optional and value is None):
+    if optional and (value is _UNSET or (isinstance(value, str) and value == AUTO)):
+        return AUTO
+    if optional and value is None:
         return None
     if isinstance(value, cls):
         return value
     if isinstance(value, Mapping):
         return cls(**value)
-    wanted = f"a {cls.__name__}{', None' if optional else ''} or a dict of its fields"
+    wanted = f"a {cls.__name__}{f', None, {AUTO!r}' if optional else ''} or a dict of its fields"
     raise ConfigError(expected(name, wanted, value, f"write {name}=cgcompile.config.{cls.__name__}(...)"))
 
 
-def _full_graph(given: FullGraphOptions | None, flat: dict[str, Any]) -> FullGraphOptions | None:
+def _full_graph(given: FullGraphOptions | str | None, flat: dict[str, Any]) -> FullGraphOptions | str | None:
     """The full-graph record, from `full_graph=` with the flat names on top: None when no
     split op may be captured, and then no other full-graph option may be set (it would
-    be ignored)."""
+    be ignored). Flat names replace AUTO: they are applied on top of no full graph, so an
+    option written alone is refused, as it is with `full_graph=None`."""
     if not flat:
         return given
     fields = {f.name: f for f in dataclasses.fields(FullGraphOptions)}
-    values = {**({n: getattr(given, n) for n in fields} if given else _FULL_GRAPH_OFF), **flat}
+    explicit = isinstance(given, FullGraphOptions)
+    values = {**({n: getattr(given, n) for n in fields} if explicit else _FULL_GRAPH_OFF), **flat}
     if not (isinstance(values["split_ops"], (tuple, list)) and len(values["split_ops"]) == 0):
         return FullGraphOptions(**values)
     ignored = {flat_name(fields[n]): v for n, v in values.items() if n != "split_ops" and v != _FULL_GRAPH_OFF[n]}
@@ -588,7 +634,7 @@ def _check_value(field: dataclasses.Field, culprit: str, value: Any) -> None:
 def _check_across_parts(config: Config) -> None:
     """The checks that read two groups: each group has checked its own fields."""
     _check_compile_sizes(config.compile.compile_sizes, config.sizes.capture_sizes)
-    full = config.full_graph
+    full = config.full_graph_for(cudagraphs=True)  # the automatic options are chosen to pass these
     expect(full is None or not full.small_query_attention or full.compile or config.compile.compiler == "inductor",
            "small_query_attention", 'compiler="inductor" or full_graph_compile=True beside it (the lowered '
            'attention is compiled)', f"compiler={config.compile.compiler!r}",
@@ -642,6 +688,8 @@ _UNSET = _Unset()
 def _flat_reader(part: str, name: str) -> property:
     def read(self: Config) -> Any:
         group = getattr(self, part)
+        if isinstance(group, str):  # AUTO
+            group = self.flat_full_graph()
         return _FULL_GRAPH_OFF[name] if group is None else getattr(group, name)
 
     return property(read, doc=f"`Config.{part}.{name}`, read flat.")
@@ -653,7 +701,8 @@ for _flat, (_part_name, _name) in FLAT_NAMES.items():
 Config.__init__.__signature__ = inspect.Signature(  # what help(Config) and editors show
     [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
     + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(Config(), name)) for name in FLAT_NAMES]
-    + [inspect.Parameter(part.name, inspect.Parameter.KEYWORD_ONLY, default=_UNSET if part.default else None)
+    + [inspect.Parameter(part.name, inspect.Parameter.KEYWORD_ONLY,
+                         default=AUTO if part.metadata.get("optional") else _UNSET)
        for part in dataclasses.fields(Config)])
 
 

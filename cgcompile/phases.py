@@ -20,12 +20,13 @@ from .buffers import SizePolicy, StepSize, TracedLayout
 from .capture import CaptureSession
 from .compat import is_static_address
 from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
-from .config import Config
+from .config import AUTO, Config, FullGraphOptions
 from .errors import ConfigError
 from .full_graph import FullGraph, plain_function
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from .passes import (
     CaptureDim,
+    FullGraphPlan,
     SplitGraph,
     classify_nodes,
     example_value,
@@ -264,36 +265,69 @@ def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
     )
 
 
+# How a graph's full path was chosen, as `BackendStats.full_graph_choices` counts graphs.
+CHOSEN_AUTOMATICALLY = "automatic: CUDA graphs are on"
+CHOSEN_BY_CONFIG = "configured: Config.full_graph"
+NO_PLAN = "none: the graph cannot have one"
+OFF_BY_CONFIG = "off: full_graph=None"
+OFF_WITHOUT_GRAPHS = "off: automatic, and the graph has no CUDA graphs"
+OFF_ONE_PIECE = "off: automatic, and the graph has no eager piece (piecewise is one CUDA graph)"
+_AUTOMATIC_NOTE = ' (chosen automatically: full_graph="auto", the default with CUDA graphs; full_graph=None for piecewise only)'
+
+
 def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
                session: CaptureSession, stats: BackendStats, eager_compiles: EagerPieceCompiles) -> FullGraphChoice:
-    """A full path where Config.capturable_split_ops allows one."""
-    config = build.config
-    if not config.capturable_ops:
+    """A full path where the graph's full-graph options (`Config.full_graph_for`) allow one.
+
+    The automatic default leaves out graphs with no eager piece: their piecewise run is
+    one CUDA graph already, and a full graph would only add a capture and a per-call check."""
+    automatic = build.config.full_graph == AUTO
+    options = build.config.full_graph_for(build.analysis.cudagraphs)
+    if options is None or (automatic and all(spec.capturable for spec in split.pieces)):
+        off = OFF_BY_CONFIG if not automatic else OFF_WITHOUT_GRAPHS if options is None else OFF_ONE_PIECE
+        _count_choice(stats, off)
         return FullGraphChoice(None, None)
+    note = _AUTOMATIC_NOTE if automatic else ""
     plan = plan_full_graph(gm, split, build.analysis.static_inputs, build.analysis.symbol,
-                           config.capturable_ops.covers)
+                           options.capturable_ops.covers)
     if isinstance(plan, str):
         log.info("cgcompile: graph %d has no full graph: %s", build.index, plan)
-        return FullGraphChoice(None, f"piecewise only: {plan}")
+        _count_choice(stats, NO_PLAN)
+        return FullGraphChoice(None, f"piecewise only: {plan}{note}")
+    _count_choice(stats, CHOSEN_AUTOMATICALLY if automatic else CHOSEN_BY_CONFIG)
+    graph = _make_full_graph(build, gm, split, runners, session, stats, eager_compiles, options, plan)
+    return FullGraphChoice(graph, _full_graph_summary(plan, options) + note)
+
+
+def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
+    checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
+    runs = "the whole graph compiled as one per size" if options.compile else "the pieces' code in order"
+    if options.small_query_attention:
+        runs += ", attention of few query rows compiled as batched matmuls"
+    return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
+
+
+def _count_choice(stats: BackendStats, choice: str) -> None:
+    stats.full_graph_choices[choice] = stats.full_graph_choices.get(choice, 0) + 1
+
+
+def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
+                     session: CaptureSession, stats: BackendStats, eager_compiles: EagerPieceCompiles,
+                     options: FullGraphOptions, plan: FullGraphPlan) -> FullGraph:
+    config = build.config
     values = _output_values(gm)
     copies = () if config.reuse_output_buffers else tuple(
         OutputCopy(i, _statically_contiguous(example_value(v)))
         for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
     )
     name = f"graph{build.index}"
-    whole = config.full_graph_compile  # Inductor, whatever compiles the pieces
+    whole = options.compile  # Inductor, whatever compiles the pieces
     # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
-    eager = eager_compiles if config.small_query_attention else None
+    eager = eager_compiles if options.small_query_attention else None
     pieces = plain_function(split.stitch, runners.runners, build.step, config.cudnn_attention, eager)
     code = FullGraphCode(name, pieces, gm if whole else None, dict(config.inductor_options),
-                         config.cudnn_attention, config.small_query_attention)
-    graph = FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
-    checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
-    runs = "the whole graph compiled as one per size" if whole else "the pieces' code in order"
-    if config.small_query_attention:
-        runs += ", attention of few query rows compiled as batched matmuls"
-    return FullGraphChoice(graph, f"full graph per call where these match the capture: {checked or 'nothing'}; "
-                                  f"it runs {runs}")
+                         config.cudnn_attention, options.small_query_attention)
+    return FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
 
 
 def outputs_to_clone(gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,

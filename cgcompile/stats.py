@@ -50,11 +50,15 @@ class BackendStats:
     specialised_compilations: int = 0  # compiles at one of Config.compile_sizes (one per distinct piece and size)
     specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)
-    # Calls of graphs that have a full-graph plan (Config.capturable_split_ops), by path;
+    # Calls of graphs that have a full-graph plan (Config.full_graph), by path;
     # why the piecewise ones were, per case (see `cgcompile.full_graph`).
     full_graph_calls: int = 0
     piecewise_calls: int = 0
     piecewise_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Graphs by how their full path was chosen (`phases.full_graph`): "automatic: ..." where
+    # Config.full_graph is "auto" (the default) and CUDA graphs are on, "configured: ..."
+    # where written out, "off: ..." or "none: ..." (no full graph, and why).
+    full_graph_choices: dict[str, int] = dataclasses.field(default_factory=dict)
     # Compiles made for full graphs: whole graphs (Config.full_graph_compile), eager pieces
     # holding attention (Config.small_query_attention).
     full_graph_compilations: int = 0

@@ -10,7 +10,7 @@ import torch
 
 import cgcompile
 from cgcompile import Config, ConfigError
-from cgcompile.config import FLAT_NAMES, Compile, FullGraphOptions, Sizes
+from cgcompile.config import AUTO, FLAT_NAMES, Compile, FullGraphOptions, Sizes, automatic_full_graph
 from cgcompile.testing.models import SILLY_OP
 
 
@@ -165,8 +165,13 @@ def test_every_flat_name_reads_its_group_field():
         assert getattr(config, name) == getattr(getattr(config, part), field), name
     assert (config.capturable_split_ops, config.full_graph_compile) == (FULL, True)
     # no full graph: the flat reads see no capturable ops and the other options off
-    assert Config().full_graph is None
-    assert (Config().capturable_split_ops, Config().full_graph_compile, Config().small_query_attention) == ((), False, False)
+    off = Config(full_graph=None)
+    assert (off.capturable_split_ops, off.full_graph_compile, off.small_query_attention) == ((), False, False)
+    # the automatic default: the options a graph with CUDA graphs gets, none where cudagraphs=False
+    assert (Config().capturable_split_ops, Config().full_graph_compile, Config().small_query_attention) == \
+        (FULL, False, True)
+    assert Config(compiler="eager").small_query_attention is False
+    assert Config(cudagraphs=False).capturable_split_ops == () and not Config(cudagraphs=False).capturable_ops
 
 
 def test_the_flat_names_come_from_the_group_declarations():
@@ -237,7 +242,55 @@ def test_compile_options_beside_a_compile_they_patch_are_kept(fields):
 
 def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
     assert Config(full_graph_compile=False, small_query_attention=False, capturable_split_ops=()).full_graph is None
-    assert Config(full_graph=None) == Config()
+    assert Config(full_graph=None) == Config(capturable_split_ops=()) != Config()
+
+
+# -- the automatic full graph: resolved per graph, from its cudagraphs and the compiler -------
+
+AUTOMATIC = FullGraphOptions(split_ops=FULL, small_query_attention=True)
+
+
+def test_the_default_full_graph_is_automatic():
+    assert Config().full_graph == AUTO == "auto"
+    assert Config(full_graph="auto") == Config.from_options({"full_graph": "auto"}) == Config()
+    assert inspect.signature(Config).parameters["full_graph"].default == AUTO
+
+
+def test_the_automatic_full_graph_captures_attention_with_cuda_graphs_only():
+    assert Config().full_graph_for(cudagraphs=True) == AUTOMATIC
+    assert Config().full_graph_for(cudagraphs=False) is None  # CPU: piecewise, as without it
+    assert Config().full_graph_for(cudagraphs=True).capturable_ops.names == {"attention"}
+
+
+def test_the_automatic_full_graph_lowers_attention_only_where_inductor_compiles():
+    eager = Config(compiler="eager").full_graph_for(cudagraphs=True)
+    assert eager == FullGraphOptions(split_ops=FULL, small_query_attention=False)
+    assert automatic_full_graph("inductor") == AUTOMATIC
+
+
+@pytest.mark.parametrize("off", [{"full_graph": None}, {"capturable_split_ops": ()}, {"capturable_split_ops": []}])
+def test_full_graph_none_turns_the_automatic_full_graph_off(off):
+    config = Config(**off)
+    assert config.full_graph is None
+    assert config.full_graph_for(cudagraphs=True) is None and config.full_graph_for(cudagraphs=False) is None
+    assert dataclasses.replace(Config(), **off).full_graph is None
+
+
+def test_a_written_full_graph_is_used_as_written_with_or_without_cuda_graphs():
+    written = Config(capturable_split_ops=FULL)
+    assert written.full_graph_for(cudagraphs=True) == written.full_graph_for(cudagraphs=False) == FullGraphOptions()
+    whole = FullGraphOptions(compile=True)
+    assert Config(full_graph=whole).full_graph_for(cudagraphs=False) == whole
+
+
+def test_the_automatic_default_keeps_the_checks_of_options_written_alone():
+    Config(compiler="eager")  # the automatic small_query_attention follows the compiler: no error
+    with pytest.raises(ConfigError, match=r"^small_query_attention: expected capturable_split_ops beside it"):
+        Config(small_query_attention=True)
+    with pytest.raises(ConfigError, match=r"^full_graph_compile: expected capturable_split_ops beside it"):
+        dataclasses.replace(Config(), full_graph_compile=True)
+    with pytest.raises(ConfigError, match=r"^inductor_options: expected an Inductor compile to patch"):
+        Config(compiler="eager", inductor_options=TUNING)  # the automatic full graph compiles nothing there
 
 
 def test_a_full_graph_needs_a_split_op_to_capture():
@@ -252,7 +305,9 @@ def test_a_full_graph_needs_a_split_op_to_capture():
      r"^Sizes: expected a Sizes field, got unknown 'capture_size'; did you mean 'capture_sizes'\?"),
     (lambda: Sizes((1, 2)), r"^Sizes: expected keyword arguments only, got 1 positional"),
     (lambda: Config(sizes=(1, 2)), r"^sizes: expected a Sizes or a dict of its fields, got \(1, 2\) \(tuple\)"),
-    (lambda: Config(full_graph=True), r"^full_graph: expected a FullGraphOptions, None or a dict of its fields, got True"),
+    (lambda: Config(full_graph=True),
+     r"^full_graph: expected a FullGraphOptions, None, 'auto' or a dict of its fields, got True"),
+    (lambda: Config(full_graph="on"), r"^full_graph: expected a FullGraphOptions, None, 'auto' or a dict"),
     (lambda: FullGraphOptions(compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
     (lambda: Config(full_graph_compile="yes"), r"^full_graph_compile: expected True or False, got 'yes'"),
     (lambda: Config(compile={"compiler": "tvm"}), r"^compiler: expected one of \('eager', 'inductor'\)"),

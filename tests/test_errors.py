@@ -124,7 +124,7 @@ ROWS = {
     "group misspelt field": Row(lambda w: Config(sizes={"capture_size": (1, 2)}), ConfigError, "'capture_size'",
                                 "did you mean 'capture_sizes'?"),
     "group of the wrong type": Row(lambda w: Config(full_graph="attention"), ConfigError, "full_graph",
-                                   "a FullGraphOptions, None or a dict of its fields"),
+                                   "a FullGraphOptions, None, 'auto' or a dict of its fields"),
     # torch.compile(..., options=...): the same checks (Dynamo wraps them; the rows unwrap)
     "options unknown": Row(compile_with({"compiler": "eager", "bogus": 1}), ConfigError, "'bogus'", "the fields are"),
     "options bool as string": Row(compile_with({"use_breakable": "false"}), ConfigError, "use_breakable"),

@@ -8,6 +8,7 @@ call whose host-side value changed must not replay.
 """
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -16,6 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgcompile
+from cgcompile import phases
+from cgcompile.buffers import StepSize
+from cgcompile.capture import CaptureSession
+from cgcompile.compiler import EagerPieceCompiles, PieceCompiler
+from cgcompile.recovery import UncapturableOps
+from cgcompile.stats import BackendStats
 from cgcompile.testing.models import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
 
 FULL = cgcompile.Config(compiler="eager", capturable_split_ops=("attention",))
@@ -54,6 +61,85 @@ def test_without_the_declaration_nothing_changes():
     decode_steps(torch.compile(model, backend=backend), 3)
     assert (backend.stats.full_graph_calls, backend.stats.piecewise_calls) == (0, 0)
     assert all(rt.full is None for rt in backend.runtimes)
+
+
+# ---- the automatic default: a full graph for every graph that has CUDA graphs ----
+
+def dynamo_graph(model, *args):
+    """(gm, example_inputs): the one graph Dynamo captures for model(*args)."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return seen[0]
+
+
+def full_graph_choice(config, cudagraphs: bool, model, *args):
+    """(phases.full_graph's choice, stats.full_graph_choices) for the graph of model(*args),
+    its analysis saying `cudagraphs` (True: as on CUDA; the full path is built, never run)."""
+    gm, inputs = dynamo_graph(model, *args)
+    analysis = phases.analyse(gm, inputs, config)
+    split = phases.split_pieces(gm, analysis, config, UncapturableOps())
+    sizing = phases.choose_sizing(split, analysis, config)
+    build = phases.GraphBuild(0, analysis, sizing, StepSize(), PieceCompiler("eager"), config)
+    session = CaptureSession.for_config(config)
+    runners = phases.build_runners(build, split, session)  # CPU runners: only the full path is looked at
+    build = dataclasses.replace(build, analysis=dataclasses.replace(analysis, cudagraphs=cudagraphs))
+    stats = BackendStats()
+    choice = phases.full_graph(build, gm, split, runners, session, stats, EagerPieceCompiles({}, False))
+    return choice, stats.full_graph_choices
+
+
+DECODE_STEP = (torch.tensor([3]), torch.tensor([4]))  # StaticCacheDecoder's ids, pos
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("compiler, small_query", [("inductor", True), ("eager", False)])
+def test_the_automatic_default_gives_a_graph_with_cuda_graphs_a_full_graph(compiler, small_query):
+    config = cgcompile.Config(compiler=compiler)
+    choice, choices = full_graph_choice(config, True, StaticCacheDecoder().eval(), *DECODE_STEP)
+    assert choices == {phases.CHOSEN_AUTOMATICALLY: 1}
+    assert choice.graph is not None
+    assert choice.summary.startswith("full graph per call where these match the capture")
+    assert choice.summary.endswith('(chosen automatically: full_graph="auto", the default with CUDA graphs; '
+                                   'full_graph=None for piecewise only)')
+    assert ("attention of few query rows compiled as batched matmuls" in choice.summary) is small_query
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("config, cudagraphs, choice", [
+    (cgcompile.Config(compiler="eager"), False, phases.OFF_WITHOUT_GRAPHS),  # CPU: piecewise, as before
+    (cgcompile.Config(compiler="eager", full_graph=None), True, phases.OFF_BY_CONFIG),
+    (cgcompile.Config(compiler="eager", capturable_split_ops=()), True, phases.OFF_BY_CONFIG),
+])
+def test_the_automatic_default_stays_piecewise_without_cuda_graphs_or_when_turned_off(config, cudagraphs, choice):
+    got, choices = full_graph_choice(config, cudagraphs, StaticCacheDecoder().eval(), *DECODE_STEP)
+    assert (got.graph, got.summary, choices) == (None, None, {choice: 1})
+
+
+@torch.no_grad()
+def test_the_automatic_default_leaves_out_a_graph_without_eager_pieces():
+    """Its piecewise run is one CUDA graph already; a written-out full graph still gets one."""
+    mlp, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(2, 8)
+    got, choices = full_graph_choice(cgcompile.Config(compiler="eager"), True, mlp, x)
+    assert got.graph is None and choices == {phases.OFF_ONE_PIECE: 1}
+    got, choices = full_graph_choice(FULL, True, mlp, x)
+    assert got.graph is not None and choices == {phases.CHOSEN_BY_CONFIG: 1}
+    assert not got.summary.endswith("piecewise only)")  # written out: no note on the automatic choice
+
+
+@torch.no_grad()
+def test_the_backend_counts_how_each_graph_chose_its_path():
+    model = StaticCacheDecoder().eval()
+    for config, choice in [(cgcompile.Config(compiler="eager"), phases.OFF_WITHOUT_GRAPHS),
+                           (FULL, phases.CHOSEN_BY_CONFIG)]:
+        torch._dynamo.reset()
+        backend = cgcompile.Backend(config)
+        decode_steps(torch.compile(copy.deepcopy(model), backend=backend), 3)
+        assert backend.stats.full_graph_choices == {choice: 2}  # prefill and decode
 
 
 class HostScaled(nn.Module):
@@ -459,6 +545,25 @@ def test_full_graph_decode_equals_eager_over_64_steps(compiler, tokens):
     assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 63), stats
     assert any(rt.full is not None and rt.full.graphs for rt in backend.runtimes)
     assert stats.full_graph_compilations == (1 if whole or small_query else 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
+def test_the_default_backend_decodes_a_static_cache_from_full_graphs():
+    """backend="cgcompile" with no options: full graphs chosen automatically, attention
+    lowered by Inductor, every call equal to eager's."""
+    torch.manual_seed(0)
+    model = StaticCacheDecoder(max_len=4 + 64).cuda().eval()
+    calls = decode_calls(1, 64)
+    expected = run_calls(copy.deepcopy(model), calls)
+    compiled = torch.compile(model, backend="cgcompile", dynamic=False)
+    got = run_calls(compiled, calls)
+    for step, (g, e) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5, msg=lambda m: f"call {step}: {m}")
+    stats = cgcompile.backend_of(compiled).stats
+    assert stats.full_graph_choices == {phases.CHOSEN_AUTOMATICALLY: 2}  # prefill and decode
+    assert (stats.piecewise_calls, stats.full_graph_calls) == (2, 63), stats
+    assert stats.full_graph_compilations == 1  # the decode attention piece, lowered (one compile for the layers)
 
 
 @pytest.mark.cuda

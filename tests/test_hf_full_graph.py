@@ -171,11 +171,16 @@ def test_hf_generate_compiles_its_decode_step_with_cgcompile(compiler, whole):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("exact_fp32_matmuls")
-def test_hf_dynamic_cache_stays_piecewise_on_cuda():
+@pytest.mark.parametrize("written", [True, False])
+def test_hf_dynamic_cache_stays_piecewise_on_cuda(written):
+    """written: capturable_split_ops=("attention",); else the default, backend="cgcompile",
+    whose automatic full graphs must cost nothing where the cache length changes every step."""
     expected = fixed_length_generate(tiny_llama().cuda(), 1)
     model = tiny_llama().cuda()
-    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",)))
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",))) if written else "cgcompile"
     model.forward = torch.compile(model.forward, backend=backend)
     torch.testing.assert_close(fixed_length_generate(model, 1), expected, rtol=0, atol=0)
-    # Graphs whose plan allows a full path count their calls; none may take it.
+    backend = backend if written else cgcompile.backend_of(model)
+    # Graphs whose plan allows a full path count their calls; none may take it, or capture one.
     assert backend.stats.full_graph_calls == 0 and backend.stats.piecewise_calls > 0
+    assert not any(rt.full.graphs for rt in backend.runtimes if rt.full is not None)

@@ -59,7 +59,8 @@ def _overview() -> str:
 
 def _group(part: dataclasses.Field) -> str:
     cls = part.metadata["group"]
-    default = "`None` (off)" if part.default is None else f"`{cls.__name__}()`"
+    default = (f"`{part.default!r}` (automatic, see `Config.full_graph_for`; `None`: off)"
+               if part.metadata.get("optional") else f"`{cls.__name__}()`")
     lines = [f'<a id="{part.name}"></a>', f"## `{part.name}`: `{cls.__name__}`", "",
              _paragraphs(cls.__doc__), "", f"Default: {default}."]
     for field in dataclasses.fields(cls):

@@ -170,7 +170,7 @@ class Setup:
             return (f"cgcompile.Config(capture_sizes={CAPTURE_SIZES}, padding={self.padding}, "
                     f"splitting_ops=cgcompile.testing.models.FUZZ_SPLIT_OPS, use_breakable=True, "
                     f"cudagraphs={self.device == 'cuda' or None})")
-        full = ""
+        full = ", full_graph=None"  # "off" means piecewise only, not the automatic full graph of CUDA
         if self.full_graph != "off":
             full = (f", capturable_split_ops=cgcompile.testing.models.FUZZ_SPLIT_OPS + ('attention',), "
                     f"full_graph_compile={self.full_graph == 'whole'}")
@@ -186,7 +186,7 @@ class Setup:
         if self.path == "breakable":  # on CUDA, graphs whether or not the model has parameters
             return Config(capture_sizes=CAPTURE_SIZES, padding=self.padding, splitting_ops=FUZZ_SPLIT_OPS,
                           use_breakable=True, cudagraphs=self.device == "cuda" or None)
-        full = {}
+        full = {"full_graph": None}  # "off" means piecewise only, not the automatic full graph of CUDA
         if self.full_graph != "off":
             full = dict(capturable_split_ops=FUZZ_SPLIT_OPS + ("attention",),
                         full_graph_compile=self.full_graph == "whole")
