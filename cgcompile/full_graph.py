@@ -101,6 +101,8 @@ class FullGraph:
             self._last_key[size] = key  # a key seen once between replays is no reason to recapture
             return self._replay(entry, args, size)
         previous, self._last_key[size] = self._last_key.get(size), key
+        if not self.session.lazy_capture:  # a capture under a memory budget planned no full graph
+            return self._piecewise("no graph may be added after a capture under a memory budget", "")
         if previous != key:
             if entry is None and previous is None:
                 return self._piecewise("first call of its size", "")

@@ -54,6 +54,22 @@ def test_static_cache_decodes_from_the_full_path_after_one_piecewise_call_per_gr
 
 
 @torch.no_grad()
+def test_no_full_graph_is_added_after_a_capture_under_a_memory_budget():
+    """A budgeted capture plans the pieces' graphs only: a full graph made afterwards would
+    go past the budget, so calls stay piecewise (and full graphs held before replay)."""
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    eager = decode_steps(copy.deepcopy(model), 6)
+    backend = cgcompile.Backend(FULL)
+    backend.session.lazy_capture = False  # what Backend.capture(..., memory_budget=...) leaves
+    got = decode_steps(torch.compile(model, backend=backend), 6)
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert backend.stats.full_graph_calls == 0
+    assert backend.stats.piecewise_reasons["no graph may be added after a capture under a memory budget"] == 7  # every call
+
+
+@torch.no_grad()
 def test_without_the_declaration_nothing_changes():
     torch.manual_seed(0)
     model = StaticCacheDecoder().eval()
