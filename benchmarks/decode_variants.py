@@ -190,20 +190,24 @@ def prepare_cgcompile(compiler: str, plans: bool = True, skip_guards: bool = Fal
     return prepare
 
 
-def prepare_cgcompile_static(full: bool, whole: bool = False, small_query: bool = False) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile_static(full: bool | None, whole: bool = False, small_query: bool = False) -> Callable[[Bench], Prepared]:
     """cgcompile (Inductor pieces) on the static decoder reduce-overhead runs, one static
     graph per batch as there. full: attention may be captured too, so a step whose cache
     and positions lie where they lay at capture replays one CUDA graph (the position is a
     device tensor, copied into the graph's buffer); else attention runs between pieces.
     whole: the full graph captures the whole step compiled as one (Config.full_graph_compile);
-    small_query: with attention lowered to batched matmuls there (Config.small_query_attention)."""
+    small_query: with attention lowered to batched matmuls there (Config.small_query_attention).
+    full None: the default Config, whose automatic full graph chooses for itself."""
 
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
 
-        ops = ("attention",) if full else ()
-        config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES, capturable_split_ops=ops,
-                                  full_graph_compile=whole, small_query_attention=small_query)
+        if full is None:
+            config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES)
+        else:
+            config = cgcompile.Config(compiler="inductor", capture_sizes=CAPTURE_SIZES,
+                                      capturable_split_ops=("attention",) if full else (),
+                                      full_graph_compile=whole, small_query_attention=small_query)
         backend = cgcompile.Backend(config)
         compiled = torch.compile(bench.static, backend=backend, dynamic=False)
 
@@ -366,6 +370,7 @@ VARIANTS = (
     Variant("cgcompile-inductor-stitch", prepare_cgcompile("inductor", plans=False), True),
     Variant("cgcompile-inductor-skip-guards", prepare_cgcompile("inductor", skip_guards=True), True),
     Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
+    Variant("cgcompile-static-default", prepare_cgcompile_static(full=None), True),
     Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),
     Variant("cgcompile-full-whole", prepare_cgcompile_static(full=True, whole=True), True),
     Variant("cgcompile-full-sq", prepare_cgcompile_static(full=True, small_query=True), True),
