@@ -161,13 +161,10 @@ def cgcompile_report(backend) -> dict:
     }
 
 
-def prepare_cgcompile(compiler: str, plans: bool = True, skip_guards: bool = False,
-                      **fields) -> Callable[[Bench], Prepared]:
+def prepare_cgcompile(compiler: str, plans: bool = True, **fields) -> Callable[[Bench], Prepared]:
     """plans False: every replay goes through the stitch and each graph piece's own
     replay, not the runtimes' straight-line replay plans (`cgcompile.replay_plan`): the
-    baseline the plans are measured against. skip_guards: steps run under torch's
-    `set_stance(skip_guard_eval_unsafe=True)` (Dynamo checks only the guards that tell
-    its cached graphs apart; the user's promise that nothing else changes)."""
+    baseline the plans are measured against."""
 
     def prepare(bench: Bench) -> Prepared:
         import cgcompile
@@ -179,11 +176,7 @@ def prepare_cgcompile(compiler: str, plans: bool = True, skip_guards: bool = Fal
             if not plans:
                 for runtime in backend.runtimes:  # made at the first call of each Dynamo graph
                     runtime.plans = None
-            ids = bench.inputs.ids(b, i, marked=True)
-            if skip_guards and backend.runtimes:  # after the first call: guards exist
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                    return compiled(ids, start)
-            return compiled(ids, start)
+            return compiled(bench.inputs.ids(b, i, marked=True), start)
 
         return Prepared(step, report=lambda: cgcompile_report(backend))
 
@@ -368,7 +361,6 @@ VARIANTS = (
     Variant("cgcompile-eager", prepare_cgcompile("eager"), True),
     Variant("cgcompile-inductor", prepare_cgcompile("inductor"), True),
     Variant("cgcompile-inductor-stitch", prepare_cgcompile("inductor", plans=False), True),
-    Variant("cgcompile-inductor-skip-guards", prepare_cgcompile("inductor", skip_guards=True), True),
     Variant("cgcompile-static", prepare_cgcompile_static(full=False), True),
     Variant("cgcompile-static-default", prepare_cgcompile_static(full=None), True),
     Variant("cgcompile-full", prepare_cgcompile_static(full=True), True),

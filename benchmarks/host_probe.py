@@ -157,7 +157,11 @@ def _timed_plans(clock: HostClock) -> Callable:
 
     def build_timed(*args):
         plan = build(*args)
-        return None if plan is None else clock.wrap("replay plan (checks, input copies)", plan)
+        if plan is None:
+            return None
+        timed = clock.wrap("replay plan (checks, input copies)", plan)
+        timed.source = plan.source
+        return timed
 
     return build_timed
 
