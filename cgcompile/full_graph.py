@@ -133,8 +133,11 @@ class FullGraph:
             self.graphs[size] = _Entry(None, key, code, (), ())
             return tuple(code(*args))
         # The real run: this call's results, and its in-place writes (a cache update) happen
-        # once. Capture then records the same work without running it.
-        outputs = tuple(self.session.warm_up(code, *args))
+        # once. Capture then records the same work without running it. Its results are handed
+        # out as a replay's are, in eager's layout where eager's is contiguous: in a compiled
+        # piece's layout (a KV cache `cat` laid out [B, T, H, D]-major by Inductor) the next
+        # call would fail Dynamo's stride guard and compile another graph.
+        outputs = self._hand_out(tuple(self.session.warm_up(code, *args)))
         try:
             graph, static_args, static_outputs = self.session.capture(
                 self.name, code, lambda: self._static_args(args)

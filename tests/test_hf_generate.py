@@ -43,6 +43,7 @@ from helpers import (
     VOCAB,
     compile_and_match_eager,
     compile_forward,
+    fake_cuda_graphs,
     generate,
     prompt,
     tiny_llama,
@@ -460,3 +461,19 @@ def test_inductor_pieces_with_dynamic_cache_sources_make_two_graphs(batch):
     want = teacher_forced_logits(model, out.sequences, prompt(batch)[1].cuda())
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().amax().item())
 
+
+
+def test_a_full_graph_captured_at_the_second_prefill_hands_out_eager_layouts(monkeypatch):
+    """The default's full graph of the prefill is captured at the second generate() (same
+    size, same host values). The capturing call's results come from the pieces' code, and
+    Inductor lays the cache `cat` out [B, T, H, D]-major: handed out so, the decode graph's
+    stride guard would fail and Dynamo compile a third graph. On CPU through fake graphs."""
+    fake_cuda_graphs(monkeypatch)
+    with torch.compiler.config.patch(dynamic_sources=KV_CACHE_SOURCES):
+        model = tiny_model("llama")
+        backend = compile_forward(model, compiler="inductor")
+        generate(model, 1, 16)
+        generate(model, 1, 32)
+    assert backend.stats.full_graph_choices == {"automatic: CUDA graphs are on": 2}
+    assert backend.stats.full_graph_calls >= 1  # the second prefill: captured
+    assert backend.stats.graphs_seen == 2
