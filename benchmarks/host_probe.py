@@ -145,8 +145,10 @@ def stitch_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
         for runner in runtime.runners:
             name = runner.piece_name.rsplit(".", 1)[-1]
             entry = vars(runtime._namespace).get(name)
+            graph = isinstance(runner, graph_piece.CudaGraphPiece)
+            if graph and runtime.plans is not None:
+                continue  # a plan replays the piece's graph itself: no dispatch to wrap
             if entry is not None:
-                graph = isinstance(runner, graph_piece.CudaGraphPiece)
                 label = "graph piece dispatch" if graph else "pieces run eagerly"
                 pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
     return pairs
