@@ -106,8 +106,9 @@ class FullGraph:
         if previous != key:
             if entry is None and previous is None:
                 return self._piecewise("first call of its size", "")
-            difference = self.plan.difference(key, entry.key if entry is not None else previous)
-            return self._piecewise("a host-side input differs from the captured one", f": {difference}")
+            captured = entry.key if entry is not None else previous
+            return self._piecewise("a host-side input differs from the captured one",
+                                   lambda: f": {self.plan.difference(key, captured)}")
         if entry is not None:
             self._log_once(f"recapture {size}", "cgcompile: %s recaptures its full graph of size %d: %s",
                            self.name, size, self.plan.difference(key, entry.key))
@@ -175,10 +176,14 @@ class FullGraph:
             return "the call's size has no graph"
         return "the call's size is padded (a full graph would run the split ops on padding rows)"
 
-    def _piecewise(self, case: str, detail: str):
+    def _piecewise(self, case: str, detail: str | Callable[[], str]):
+        """Count a piecewise call; `detail` (or what it returns: made only for the log, once
+        per case, as a model whose cache length grows takes this path every call) is logged."""
         self._count("piecewise")
         self.stats.piecewise_reasons[case] = self.stats.piecewise_reasons.get(case, 0) + 1
-        self._log_once(case, "cgcompile: %s runs piecewise: %s%s", self.name, case, detail)
+        if case not in self._logged:
+            self._log_once(case, "cgcompile: %s runs piecewise: %s%s", self.name, case,
+                           detail() if callable(detail) else detail)
         return None
 
     def _count(self, path: str) -> None:

@@ -223,7 +223,7 @@ def _zeros_strided(t: torch.Tensor) -> torch.Tensor:
 def fake_cuda_graphs(monkeypatch) -> None:
     """Make graph pieces run on CPU as on the GPU: the analysis says CUDA graphs are on,
     and captures make `FakeGraph`s. Only the capture itself is faked."""
-    from cgcompile import graph_piece, phases
+    from cgcompile import full_graph, graph_piece, phases
     from cgcompile.capture import CaptureSession
 
     analyse = phases.analyse
@@ -231,9 +231,11 @@ def fake_cuda_graphs(monkeypatch) -> None:
     monkeypatch.setattr(CaptureSession, "capture", _fake_capture)
     monkeypatch.setattr(CaptureSession, "warm_up", lambda session, fn, *args: fn(*args))
     monkeypatch.setattr(graph_piece, "weak_alias", lambda t: t)
+    monkeypatch.setattr(full_graph, "weak_alias", lambda t: t)
     # Buffers made for a capture hold zeros, not garbage: the fake capture runs on them
     # (garbage ids would index out of range).
     monkeypatch.setattr(graph_piece, "empty_like_strided", _zeros_strided)
+    monkeypatch.setattr(full_graph, "empty_like_strided", _zeros_strided)
     FakeGraph.replays = FakeGraph.captures = 0
 
 
