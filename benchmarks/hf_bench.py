@@ -19,6 +19,8 @@ batch 1 and 8. Variants:
                     and Config(capturable_split_ops=("attention",)): every decode step whose
                     cache lies where it lay at capture replays one full CUDA graph (see the
                     README, "Full graphs"); backend.stats counts the steps of each path
+    cgcompile-static-default  the static cache with forward compiled under the default Config
+                    (no flags): its automatic full graph, small-query attention included
     cgcompile-static-whole  the same with Config(full_graph_compile=True): the full graph is the
                     whole decode step compiled as one by Inductor
     cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
@@ -209,6 +211,13 @@ def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool =
     return {"cache_implementation": "static", "disable_compile": True}, backend
 
 
+def setup_cgcompile_static_default(model, args) -> tuple[dict, cgcompile.Backend]:
+    # A static cache under the default Config: its automatic full graph, no flags.
+    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
+    model.forward = torch.compile(model.forward, backend=backend)
+    return {"cache_implementation": "static", "disable_compile": True}, backend
+
+
 def setup_cgcompile_auto(model, args, whole: bool = False, compiler: str | None = None) -> tuple[dict, cgcompile.Backend]:
     # generate() compiles its decode step itself (prefill eager), with cgcompile as the backend.
     config = cgcompile.Config(compiler=compiler or args.compiler, capturable_split_ops=("attention",),
@@ -220,6 +229,7 @@ def setup_cgcompile_auto(model, args, whole: bool = False, compiler: str | None 
 
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
+            "cgcompile-static-default": setup_cgcompile_static_default,
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
             "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),
             "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True),
