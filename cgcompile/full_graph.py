@@ -182,8 +182,8 @@ class FullGraph:
         self._count("piecewise")
         self.stats.piecewise_reasons[case] = self.stats.piecewise_reasons.get(case, 0) + 1
         if case not in self._logged:
-            self._log_once(case, "cgcompile: %s runs piecewise: %s%s", self.name, case,
-                           detail() if callable(detail) else detail)
+            self._logged.add(case)
+            log.info("cgcompile: %s runs piecewise: %s%s", self.name, case, detail() if callable(detail) else detail)
         return None
 
     def _count(self, path: str) -> None:

@@ -118,6 +118,7 @@ def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]
 
 
 _NOT_CAPTURED = object()
+_UNMADE = object()
 
 
 def _write_node(out: _Writer, node: torch.fx.Node, calls: dict, values: dict, graph_outputs: dict,
@@ -179,10 +180,8 @@ def _write_replay(out: _Writer, node: torch.fx.Node, graph: CapturedGraph, value
         if _lies_in_place(graph_outputs.get(arg), static):
             continue  # another graph's output, already where this graph reads it
         x = out.expr(arg, values)
-        if n == size or not static.dims:
-            fill = (f"{out.constant(static.buffer.copy_, 'copy')}({x})" if not static.repeated else
-                    f"{out.constant(copy_in, 'copy_in')}({out.constant(static.buffer, 'buf')}, {x}, (), {n}, "
-                    f"{size}, {static.repeated!r})")
+        if not static.repeated and (n == size or not static.dims):  # what copy_in comes down to
+            fill = f"{out.constant(static.buffer.copy_, 'copy')}({x})"
         else:
             fill = (f"{out.constant(copy_in, 'copy_in')}({out.constant(static.buffer, 'buf')}, {x}, "
                     f"{static.dims!r}, {n}, {size}, {static.repeated!r})")
@@ -232,11 +231,10 @@ class ReplayPlans:
 
     def get(self, n: int, size: int) -> Callable | None:
         """The plan for a call of n rows at `size`; None: run the stitch (it captures)."""
-        key = (n, size)
-        if key not in self._plans:
-            plan = build_plan(self.stitch, self.calls, n, size)
-            self._plans[key] = plan
+        plan = self._plans.get((n, size), _UNMADE)  # every call: one lookup
+        if plan is _UNMADE:
+            plan = self._plans[(n, size)] = build_plan(self.stitch, self.calls, n, size)
             self.made += plan is not None
             if plan is not None:
                 log.debug("cgcompile: replay plan for n=%d at size %d:\n%s", n, size, plan.source)
-        return self._plans[key]
+        return plan
