@@ -15,8 +15,6 @@ batch 1 and 8. Variants:
                     graphs, no compilation (the README's other one-line change); DynamicCache. Each
                     decoder layer replays two graph segments around the eager cache update and
                     attention; the prefill and the first decode step of a new signature run eagerly
-    breakable-noplan  the same, every replay through the runner's generic path instead of its
-                    replay plans (`cgcompile.breakable.plan`): the baseline the plans are measured against
     cgcompile-static  cgcompile with generate(cache_implementation="static", disable_compile=True)
                     and Config(capturable_split_ops=("attention",)): every decode step whose
                     cache lies where it lay at capture replays one full CUDA graph (see the
@@ -189,11 +187,8 @@ def setup_cgcompile(model, args, fused: bool = False) -> tuple[dict, cgcompile.B
     return {}, backend
 
 
-def setup_breakable(model, args, plans: bool = True) -> tuple[dict, cgcompile.GraphManager]:
+def setup_breakable(model, args) -> tuple[dict, cgcompile.GraphManager]:
     manager = cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True)).install()  # the one-line change
-    if not plans:  # every replay through the generic path: the baseline the plans are measured against
-        for runner in manager.breakable.runners:
-            runner._use_plan = lambda size, entry: None
     return {}, manager
 
 
@@ -237,8 +232,7 @@ def setup_cgcompile_auto(model, args, whole: bool = False, compiler: str | None 
 
 
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
-            "breakable": setup_breakable, "breakable-noplan": functools.partial(setup_breakable, plans=False),
-            "static": setup_static, "cgcompile-static": setup_cgcompile_static,
+            "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
             "cgcompile-static-default": setup_cgcompile_static_default,
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
             "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),

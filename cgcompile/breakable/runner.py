@@ -56,7 +56,6 @@ from ..config import Config
 from ..errors import expect
 from ..ops import call_without_cudnn_attention
 from ..weights import ModuleTensors, ParameterAddresses
-from .plan import MISS, RunnerPlans, build_plan
 from .record import Recorder, recording, run_as_eager_break
 from .segments import SEGMENT_KINDS, observer_for, segments_for
 from .signature import Action, Signature, SignatureRule, flatten_call, unflatten_call
@@ -198,10 +197,8 @@ class BreakableRunner:
         self._tensors = ModuleTensors(module)
         self.addresses = ParameterAddresses(
             self.name, (), self._tensors.names, self.group.drop_graphs, warned=self.group.logged, advice="")
-        self.plans = RunnerPlans()  # straight-line replays of graphs that replayed (`breakable.plan`)
         self.group.add(self)
         session.register(self)
-        session.add_plans(self.plans)
 
     @property
     def graphs(self) -> dict[int, list[_BreakableGraph]]:
@@ -222,9 +219,7 @@ class BreakableRunner:
         return "\n".join(lines)
 
     def clear(self) -> None:
-        """Forget the graphs (and the replay plans that bind them)."""
         self.rule.clear()
-        self.plans.clear()
 
     def __call__(self, *args, **kwargs):
         if self.config.cudnn_attention:
@@ -232,11 +227,6 @@ class BreakableRunner:
         return call_without_cudnn_attention(self._call, args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict):
-        plan = self.plans.current
-        if plan is not None:
-            result = plan(args, kwargs)
-            if result is not MISS:
-                return result
         leaves, structure = flatten_call(args, kwargs)
         n = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), 0)
         size = self.sizes.size_for(n) if n else None
@@ -244,28 +234,12 @@ class BreakableRunner:
             return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
         if decision.action is Action.REPLAY:
-            if n == size:
-                self._use_plan(size, decision.entry)
             return self._replay(decision.entry, leaves, n, size)
         if decision.action is Action.EAGER:
             return self._forward(*args, **kwargs)
         return self._record(decision.action, leaves, structure, n, size)
 
     # -- replay ---------------------------------------------------------------------------
-
-    def _use_plan(self, size: int, entry: _BreakableGraph) -> None:
-        """Try `entry`'s plan first from the next call on; made here the first time. Only
-        the first graph of a size gets one: the rule replays the first graph that fits,
-        and a later graph's plan would also take calls that an earlier graph fits."""
-        graphs = self.rule.graphs(size)
-        if not graphs or graphs[0] is not entry:
-            return
-        plan = self.plans.by_size.get(size)
-        if plan is None:
-            plan = self.plans.by_size[size] = build_plan(self, size, entry, _cut)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("cgcompile: %s: replay plan for size %d:\n%s", self.name, size, plan.source)
-        self.plans.current = plan
 
     def _replay(self, entry: _BreakableGraph, leaves: list, n: int, size: int):
         for index, static in entry.statics:
