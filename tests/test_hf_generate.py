@@ -247,6 +247,23 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["cgcompile_stats"]["graphs_seen"] == 2 for r in cgcompile_rows)
 
 
+def test_benchmark_greedy_loop_smoke_on_cpu(tmp_path):
+    """--loop: the hand-written greedy loop (no generate()) gives eager's tokens on every path."""
+    bench = pathlib.Path(__file__).parent.parent / "benchmarks" / "hf_bench.py"
+    command = [sys.executable, str(bench), "--tiny", "--device", "cpu", "--loop", "--batches", "2",
+               "--variants", "eager,cgcompile,breakable", "--rounds", "1", "--long-tokens", "8"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads((tmp_path / "hf_bench.json").read_text())
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert all(r["error"] is None for r in rows.values()), [r["error"] for r in rows.values()]
+    assert rows["cgcompile"]["tokens_equal_eager"] == rows["breakable"]["tokens_equal_eager"] == "64/64"
+    assert rows["cgcompile"]["cgcompile_stats"]["graphs_seen"] == 2  # prefill and decode, as with generate()
+    # 8 new tokens: 7 decode steps, clocked after each: 6 intervals, one a window.
+    assert len(rows["breakable"]["long_decode_tok_s_windows"]) == 6
+    assert {t["target"] for t in report["targets"]} >= {"breakable / cgcompile"}
+
+
 # The README's optional line for transformers users: every dimension of the cache tensors
 # (Dynamo sources under `past_key_values`) is a symbol from the first time Dynamo sees them.
 KV_CACHE_SOURCES = r".*past_key_values.*"
