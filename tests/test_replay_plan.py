@@ -123,3 +123,44 @@ def test_on_the_gpu_plans_replay_and_match_eager_over_a_walk_of_sizes(compiler):
     plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
     assert plans and sum(p.made for p in plans) >= 4
     assert backend.stats.graphs_captured > 0
+
+
+class OutStyleAttention(torch.nn.Module):
+    """Split ops that write into a buffer made before them (`silly_accumulate`), the way
+    serving engines' attention ops take their output: the buffer is a graph output."""
+
+    def __init__(self, n_layers=3, width=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, width)
+        self.ins = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_layers))
+        self.outs = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n_layers))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for a, b in zip(self.ins, self.outs):
+            h = a(x)
+            out = torch.zeros_like(h)
+            torch.ops.cgcompile_testing.silly_accumulate(out, h)
+            x = x + b(out)
+        return x
+
+
+def test_a_split_op_that_writes_into_a_graph_output_needs_no_copy(monkeypatch):
+    """Only an attention that returns a new tensor costs a copy a layer: one that writes into a
+    buffer the graph before it made leaves the value where the next graph reads it."""
+    from cgcompile.testing.models import ACCUMULATE_OP
+
+    helpers.fake_cuda_graphs(monkeypatch)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = OutStyleAttention()
+    config = cgcompile.Config(splitting_ops=(ACCUMULATE_OP,), compiler="eager", capture_sizes=(1, 2, 4, 8))
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for seed in range(5):
+            torch.testing.assert_close(compiled(_ids(3, seed)), model(_ids(3, seed)), rtol=0, atol=0)
+    runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
+    plan = runtime.plans.get(3, 4)
+    assert plan is not None and plan.source.count("replay") == 3 + 1 + 1  # 4 graph pieces + the name
+    assert plan.source.count(".copy_") + plan.source.count("copy_in") == 1  # the ids alone
