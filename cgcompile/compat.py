@@ -33,7 +33,23 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: di
     for this compile only."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=dict(options) if options else None)
+    return compile_fx(gm, static_fakes(example_inputs), config_patches=dict(options) if options else None)
+
+
+def static_fakes(example_inputs: list) -> list:
+    """Real example inputs as fake tensors of the same shapes and strides, under a fake mode
+    with a shape environment (no symbols: every size static); fake ones as they are.
+
+    Inductor's FX graph cache keys a compile by its shape environment and skips the cache
+    ("No shape env") for inputs without one, so a compile at real shapes (a whole-graph or
+    a per-size compile) was never found in the cache by the next process."""
+    if detect_fake_mode([x for x in example_inputs if isinstance(x, torch.Tensor)]) is not None:
+        return example_inputs
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    return [mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
 def inductor_option_types() -> dict:

@@ -143,3 +143,22 @@ def test_a_bounded_cache_falls_back_once_per_key_and_an_unbounded_one_raises():
     assert bounded.compilations == 1
     with pytest.raises(RuntimeError, match="no lowering"):
         CompileCache().get(KEY, fail, what="a piece")
+
+
+def test_a_compile_at_real_shapes_is_found_in_inductors_fx_graph_cache():
+    """Whole-graph and per-size compiles get real inputs. Inductor's FX graph cache skips
+    inputs without a shape environment, so before `compat.static_fakes` the next process
+    (here: the next compile of the same graph) compiled them again."""
+    from cgcompile.compat import inductor_compile
+
+    gm = torch.fx.symbolic_trace(lambda x, w: torch.relu(x @ w) + 1.0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    counters.clear()
+    with fresh_inductor_cache():
+        first = inductor_compile(gm, [x, w])
+        second = inductor_compile(gm, [x, w])
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+        assert (counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]) == (1, 1)
+    for compiled in (first, second):
+        out = compiled(x, w)
+        torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, torch.relu(x @ w) + 1.0)
