@@ -33,7 +33,24 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: di
     for this compile only."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, static_fakes(example_inputs), config_patches=dict(options) if options else None)
+    return compile_fx(gm, static_fakes(example_inputs), config_patches=_with_cacheable_functions(options))
+
+
+_MARKED = "unsafe_marked_cacheable_functions"
+
+
+def _with_cacheable_functions(options: dict | None) -> dict | None:
+    """`options`, plus the functions cgcompile's rewrites insert marked cacheable (where
+    this torch has the setting), so that AOTAutograd's cache keeps graphs that call them."""
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, _MARKED):
+        return dict(options) if options else None
+    from .passes.cacheable import cacheable_functions
+
+    patches = dict(options or {})
+    patches[_MARKED] = {**getattr(inductor_config, _MARKED), **patches.get(_MARKED, {}), **cacheable_functions()}
+    return patches
 
 
 def static_fakes(example_inputs: list) -> list:

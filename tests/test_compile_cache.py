@@ -162,3 +162,25 @@ def test_a_compile_at_real_shapes_is_found_in_inductors_fx_graph_cache():
     for compiled in (first, second):
         out = compiled(x, w)
         torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, torch.relu(x @ w) + 1.0)
+
+
+def test_graphs_calling_the_rewrites_functions_are_kept_by_aotautograds_cache():
+    """A graph holding `additive_attention_mask` (the mask pass's function) was skipped by
+    AOTAutograd's cache ("Unsupported call_function target"): every process traced it again."""
+    from cgcompile.compat import inductor_compile
+    from cgcompile.passes.attention_mask import additive_attention_mask
+
+    graph = torch.fx.Graph()
+    mask, x = graph.placeholder("mask"), graph.placeholder("x")
+    converted = graph.call_function(additive_attention_mask, (mask, torch.float32))
+    graph.output((graph.call_function(torch.add, (x, converted)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    args = [torch.rand(2, 5) > 0.5, torch.randn(2, 5)]
+    expected = args[1] + torch.zeros(2, 5).masked_fill(~args[0], float("-inf"))
+    counters.clear()
+    with fresh_inductor_cache():
+        for _ in range(2):
+            out = inductor_compile(gm, args)(*args)
+            torch.testing.assert_close(out[0], expected)
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1
