@@ -333,6 +333,11 @@ class StaticBuffer:
         self.dims = dims
         self.repeated = repeated_dims(buffer)
 
+    def reads_in_place(self, x: torch.Tensor) -> bool:
+        """Whether a graph reading this buffer reads x itself: x lies at its address with
+        its strides (the check `fill_all` inlines in its hot loop)."""
+        return x.data_ptr() == self.address and x.stride() == self.stride
+
 
 def fill_all(inputs: tuple[tuple[int, StaticBuffer], ...], args: Sequence, n: int, size: int) -> None:
     """Before a replay: fill each (argument index, buffer) from the call's arguments.

@@ -177,7 +177,8 @@ def _write_replay(out: _Writer, node: torch.fx.Node, graph: CapturedGraph, value
     """Fill the graph's buffers from its arguments, then launch it."""
     for i, static in graph.inputs:
         arg = node.args[i]
-        if _lies_in_place(graph_outputs.get(arg), static):
+        source = graph_outputs.get(arg)
+        if isinstance(source, torch.Tensor) and static.reads_in_place(source):
             continue  # another graph's output, already where this graph reads it
         x = out.expr(arg, values)
         if not static.repeated and (n == size or not static.dims):  # what copy_in comes down to
@@ -187,11 +188,6 @@ def _write_replay(out: _Writer, node: torch.fx.Node, graph: CapturedGraph, value
                     f"{static.dims!r}, {n}, {size}, {static.repeated!r})")
         out.lines.append(f"if {x}.data_ptr() != {static.address} or {x}.stride() != {static.stride!r}: {fill}")
     out.lines.append(f"{out.constant(graph.replay, 'replay')}()")
-
-
-def _lies_in_place(source: torch.Tensor | None, static: StaticBuffer) -> bool:
-    return (isinstance(source, torch.Tensor) and source.data_ptr() == static.address
-            and source.stride() == static.stride)
 
 
 def _fetch_attr(module: torch.nn.Module, target: str):
