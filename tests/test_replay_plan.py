@@ -16,6 +16,11 @@ from cgcompile.replay_plan import ReplayPlans
 from cgcompile.testing import fuzz
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
+# Padding changes the row count of each matmul, and a CPU BLAS may round a row differently at
+# another row count (one ulp on an AMD EPYC host). A buffer a replay left stale differs by
+# whole values, far beyond this.
+CLOSE = {"rtol": 1e-5, "atol": 1e-5}
+
 
 def _toy(n_layers=3, **fields):
     torch._dynamo.reset()
@@ -47,7 +52,7 @@ def test_calls_after_capture_replay_through_plans_and_match_eager(monkeypatch):
     sizes = (3, 5, 1, 8, 3, 5, 1, 8, 3, 7)
     with torch.no_grad():
         for seed, n in enumerate(sizes):
-            torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), **CLOSE)
     plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
     assert plans and sum(p.made for p in plans) >= 4  # n=3, 5, 8, 7 at least (n=1: Dynamo's static graph)
     assert helpers.FakeGraph.replays > helpers.FakeGraph.captures > 0
@@ -72,7 +77,7 @@ def test_dropped_graphs_drop_the_plans_and_calls_capture_again(monkeypatch):
         for runtime in backend.runtimes:
             runtime.drop_graphs()
         for seed in range(3, 6):
-            torch.testing.assert_close(compiled(_ids(5, seed)), model(_ids(5, seed)), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(_ids(5, seed)), model(_ids(5, seed)), **CLOSE)
     assert helpers.FakeGraph.captures == 2 * captured > 0
 
 
@@ -87,7 +92,7 @@ def test_stale_input_buffers_show_as_a_mismatch(monkeypatch):
         namespace = dict(good.__globals__)
         exec(broken.replace("def replay", "def broken"), namespace)
         runtime.plans._plans[(4, 4)] = namespace["broken"]
-        assert not torch.equal(compiled(_ids(4, 9)), model(_ids(4, 9)))
+        assert not torch.allclose(compiled(_ids(4, 9)), model(_ids(4, 9)), **CLOSE)
 
 
 def test_fuzzed_walks_with_state_match_eager_through_plans(monkeypatch):
@@ -159,7 +164,7 @@ def test_a_split_op_that_writes_into_a_graph_output_needs_no_copy(monkeypatch):
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         for seed in range(5):
-            torch.testing.assert_close(compiled(_ids(3, seed)), model(_ids(3, seed)), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(_ids(3, seed)), model(_ids(3, seed)), **CLOSE)
     runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
     plan = runtime.plans.get(3, 4)
     assert plan is not None and plan.source.count("replay") == 3 + 1 + 1  # 4 graph pieces + the name
