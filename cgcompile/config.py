@@ -384,6 +384,12 @@ class Rewrites(_Group):
         (`cgcompile.weights`; a write through `param.data` is not seen: call
         `Backend.refresh_fused_weights()`). For inference: with grad on, parameters that require
         grad are left out.""")
+    all_reduce: str = option("auto", _choice("auto", "nccl"), doc="""
+        Which all-reduce a sum over a functional collective gets in a graph on CUDA: "auto" routes
+        it to torch symmetric memory's one-shot or two-shot kernel where its process group allows
+        (NCCL ranks on one host with P2P; small messages), NCCL elsewhere (see
+        `cgcompile.parallel.fast_all_reduce` and docs/parallel.md); "nccl" keeps the model's
+        collectives as they are.""")
 
 
 @_group

@@ -505,6 +505,7 @@ _ROW_WISE = frozenset({
     # and the ranks of a group run the same batch, so pad to the same size: padding rows
     # only ever meet padding rows (`cgcompile.parallel.distributed.check_same_rows` checks it).
     "_c10d_functional::all_reduce", "_c10d_functional::all_reduce_", "_c10d_functional::wait_tensor",
+    "cgcompile::all_reduce",  # the same all-reduce, routed to symmetric memory (fast_all_reduce.py)
 })
 _METADATA_ONLY = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "size", "dim"})
 _RESHAPES = frozenset({"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"})

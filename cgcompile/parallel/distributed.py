@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import logging
 import os
+import socket
 import sys
 import threading
 from typing import Iterator
@@ -39,6 +41,10 @@ import torch.distributed as dist
 
 from ..capture import release_all_graphs
 from ..errors import DistributedError, expect
+from .all_reduce_choice import NCCL, AllReduceChoice, GroupFacts, choose_for_group
+from .symm_all_reduce import GROUPS, FastGroup, allocate_buffers, symm_mem_problem
+
+log = logging.getLogger(__name__)
 
 
 def require_group(culprit: str, group=None):
@@ -80,8 +86,9 @@ def collectives_capturable(group, device: torch.device) -> bool:
     return device.type == "cuda" and backend_for(group, device) == "nccl"
 
 
-def prepare_collectives(device: torch.device | str, group=None) -> None:
-    """Run one all-reduce on `device` so the group's communicator exists before any capture.
+def prepare_collectives(device: torch.device | str, group=None, *, all_reduce: str = "auto") -> None:
+    """Run one all-reduce on `device` so the group's communicator exists before any capture,
+    and choose the group's all-reduce (`setup_all_reduce`; `all_reduce="nccl"` keeps NCCL).
 
     Call it once on every rank after `init_process_group` and before the first compiled
     call (`cgcompile.parallel.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
@@ -97,6 +104,63 @@ def prepare_collectives(device: torch.device | str, group=None) -> None:
         torch.cuda.synchronize(device)
     expect(int(probe.item()) == expected_sum, f"{rank_name()}: prepare_collectives", f"a sum of {expected_sum}",
            int(probe.item()), "every rank of the group must call prepare_collectives", DistributedError)
+    setup_all_reduce(device, group, configured=all_reduce)
+
+
+def setup_all_reduce(device: torch.device | str, group=None, *, configured: str = "auto") -> AllReduceChoice:
+    """Choose the group's all-reduce once, and for the fast path allocate its symmetric
+    buffers (see `symm_all_reduce`'s contract); later calls return the recorded choice.
+
+    A collective over the group on its first call for a group (every rank calls it in the
+    same order): `prepare_collectives` calls it, and so does the graph rewrite when it
+    meets a group nobody set up (every rank compiles the same graphs in the same order).
+    """
+    group = require_group("setup_all_reduce", group)
+    known = GROUPS.get(group.group_name)
+    if known is not None:
+        return known.choice
+    device = torch.device(device)
+    choice = choose_for_group(group.group_name, gather_facts(group, device), configured=configured)
+    buffers = {}
+    if choice.fast:
+        choice, buffers = _allocate_or_fall_back(choice, group, device)
+    GROUPS.add(FastGroup(choice, buffers))
+    log.info("cgcompile: %s: all-reduce for %s", rank_name(), choice)
+    return choice
+
+
+def gather_facts(group, device: torch.device) -> GroupFacts:
+    """What `choose_for_group` reads, the same on every rank: gathered over the group only
+    where the fast path is possible at all (CUDA tensors on an NCCL group)."""
+    backend, world = backend_for(group, device), dist.get_world_size(group)
+    if device.type != "cuda" or backend != "nccl" or world < 2:
+        return GroupFacts(device.type, backend, world, 1, False, None)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, (socket.gethostname(), device.index, symm_mem_problem(device)), group=group)
+    here = socket.gethostname()
+    peers = [index for host, index, _ in everyone if host == here and index != device.index]
+    p2p: list = [None] * world
+    dist.all_gather_object(p2p, all(torch.cuda.can_device_access_peer(device, i) for i in peers), group=group)
+    problems = [problem for *_, problem in everyone if problem]
+    return GroupFacts("cuda", backend, world, len({host for host, *_ in everyone}), all(p2p),
+                      problems[0] if problems else None)
+
+
+def _allocate_or_fall_back(choice: AllReduceChoice, group, device: torch.device):
+    """The symmetric buffers, or NCCL (a warning) on every rank when any rank failed."""
+    try:
+        buffers, error = allocate_buffers(choice, device), None
+    except (RuntimeError, ValueError) as e:  # torch raises these for allocation and rendezvous
+        buffers, error = {}, f"{type(e).__name__}: {e}"
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [f"rank {i}: {e}" for i, e in enumerate(errors) if e]
+    if not failed:
+        return choice, buffers
+    log.warning("cgcompile: %s: symmetric memory for group %r failed (%s); its all-reduces use NCCL",
+                rank_name(), choice.group_name, "; ".join(failed))
+    reason = f"symmetric buffers could not be made ({failed[0]})"
+    return AllReduceChoice(choice.group_name, NCCL, reason, choice.world_size), {}
 
 
 def check_same_rows(culprit: str, rows: int, group=None) -> None:

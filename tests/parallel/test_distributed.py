@@ -3,9 +3,6 @@ the test, with a hard timeout so a hang fails instead of blocking), and the pure
 (stage split, ring schedule, in-place buffers, bad input without a process group)."""
 
 import json
-import os
-import pathlib
-import signal
 import subprocess
 import sys
 
@@ -16,25 +13,7 @@ import cgcompile
 from cgcompile.capture import CaptureSession
 from cgcompile.errors import DistributedError
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
-
-ROOT = pathlib.Path(__file__).parents[2]
-
-
-def torchrun(script: pathlib.Path, *args: str, timeout: int = 120) -> str:
-    """Run `script` on 2 local ranks; kill the whole process group if it outlives `timeout`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=env, start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"{script.name} hung for {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
-    assert process.returncode == 0, out[-2000:] + err[-4000:]
-    return out
+from parallel_launch import ROOT, torchrun
 
 
 # -- 2 processes over gloo -----------------------------------------------------------------

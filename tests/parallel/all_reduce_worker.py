@@ -1,0 +1,67 @@
+"""The fast all-reduce on 2 gloo ranks (run by tests/parallel/test_all_reduce.py under
+torchrun): the set-up chooses NCCL's place-holder, the group's own all-reduce, with the
+reason; a graph whose all-reduces were routed to `cgcompile::all_reduce` still sums across
+ranks; a compiled tensor-parallel layer equals eager."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+import cgcompile  # noqa: E402
+from cgcompile.parallel.all_reduce_choice import NCCL  # noqa: E402
+from cgcompile.parallel.distributed import prepare_collectives, setup_all_reduce  # noqa: E402
+from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
+from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP  # noqa: E402
+from cgcompile.passes.fast_all_reduce import find_all_reduces, route_all_reduces  # noqa: E402
+
+
+def layer(x, w):
+    y = funcol.all_reduce(x @ w, "sum", dist.group.WORLD)
+    dist.all_reduce(y)
+    return torch.relu(y)
+
+
+def rank_inputs():
+    torch.manual_seed(dist.get_rank())
+    return torch.randn(3, 8), torch.randn(8, 8)
+
+
+def gloo_falls_back():
+    prepare_collectives("cpu")
+    choice = setup_all_reduce("cpu")  # recorded once: the same record
+    assert choice.kind == NCCL and "tensors on cpu" in choice.reason, choice
+    assert all_reduce_report().groups == (choice,)
+    return "gloo falls back"
+
+
+def routed_op_equals_eager():
+    x, w = rank_inputs()
+    graphs = []
+
+    def route_and_keep(gm, example_inputs):
+        route_all_reduces(gm, find_all_reduces(gm), ALL_REDUCE_OP)
+        graphs.append(gm)
+        return gm.forward
+
+    routed = torch.compile(layer, backend=route_and_keep)(x, w)
+    assert str(graphs[0].code).count("cgcompile.all_reduce") == 2, graphs[0].code
+    torch.testing.assert_close(routed, layer(x, w))
+    compiled = torch.compile(layer, backend=cgcompile.Backend(cgcompile.Config(compiler="eager")))
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(x, w), layer(x, w))
+    calls = all_reduce_report().calls[dist.group.WORLD.group_name]
+    assert calls == {NCCL: 2}, calls  # the routed op ran twice, each time by the group's own path
+    return "routed op equals eager"
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    for scenario in (gloo_falls_back, routed_op_equals_eager):
+        print(f"rank {dist.get_rank()}: {scenario()}: ok", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,30 @@
+"""Start a script on 2 local ranks under torchrun, for the tests of tests/parallel."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+# NVLink multicast stays off in every multi-GPU program (it can take a shared host's GPUs down).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def torchrun(script: pathlib.Path, *args: str, timeout: int = 120, nproc: int = 2) -> str:
+    """Run `script` on `nproc` local ranks; kill the whole process group if it outlives `timeout`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               str(script), *args]
+    env = {**NO_MULTICAST, **os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env, start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{script.name} hung for {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
+    assert process.returncode == 0, out[-2000:] + err[-4000:]
+    return out

@@ -1,0 +1,171 @@
+"""The fast all-reduce: which groups, sizes, dtypes and reductions get symmetric memory and
+which NCCL (pure), the rewrite on a Dynamo graph of functional collectives (one gloo rank),
+everything falling back on 2 gloo ranks with eager's results, and on 2 GPUs the fast path
+inside captured pieces against NCCL."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from cgcompile.parallel.all_reduce_choice import (
+    FAST, NCCL, ONE_SHOT, ONE_SHOT_MAX_BYTES, TWO_SHOT, TWO_SHOT_MAX_BYTES, GroupFacts, choose_for_group,
+    kind_for_call,
+)
+from cgcompile.parallel.fast_all_reduce import route_graph_all_reduces
+from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP
+from cgcompile.passes.fast_all_reduce import find_all_reduces, op_name, route_all_reduces
+from parallel_launch import ROOT, torchrun
+
+GOOD = GroupFacts("cuda", "nccl", 2, 1, True, None)
+
+
+# -- the choice per group ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("facts, configured, reason", [
+    (GOOD, "nccl", "Config.all_reduce='nccl'"),
+    (GroupFacts("cpu", "gloo", 2, 1, False, None), "auto", "tensors on cpu"),
+    (GroupFacts("cuda", "gloo", 2, 1, True, None), "auto", "backend for cuda is gloo, not nccl"),
+    (GroupFacts("cuda", "nccl", 1, 1, True, None), "auto", "a group of one rank"),
+    (GroupFacts("cuda", "nccl", 16, 2, True, None), "auto", "ranks on 2 hosts"),
+    (GroupFacts("cuda", "nccl", 2, 1, False, None), "auto", "no P2P access"),
+    (GroupFacts("cuda", "nccl", 2, 1, True, "the symmetric-memory backend is NVSHMEM"), "auto", "NVSHMEM"),
+])
+def test_groups_the_fast_path_cannot_serve_get_nccl_with_the_reason(facts, configured, reason):
+    choice = choose_for_group("tp", facts, configured=configured)
+    assert choice.kind == NCCL and reason in choice.reason, choice
+
+
+def test_nccl_ranks_on_one_host_with_p2p_get_symmetric_memory():
+    choice = choose_for_group("tp", GroupFacts("cuda", "nccl", 4, 1, True, None))
+    assert choice.kind == FAST and choice.world_size == 4
+    assert "one-shot up to 512 KiB, two-shot up to 8 MiB, NCCL above" in str(choice)
+
+
+# -- the choice per call -------------------------------------------------------------------
+
+FAST_CHOICE = choose_for_group("tp", GOOD)
+
+
+@pytest.mark.parametrize("rows, dtype, reduce_op, kind, why", [
+    (1, torch.bfloat16, "sum", ONE_SHOT, "8192 bytes"),  # a decode step's [1, 4096]
+    (8, torch.bfloat16, "sum", ONE_SHOT, "65536 bytes"),
+    (32, torch.float32, "sum", ONE_SHOT, f"bytes <= {ONE_SHOT_MAX_BYTES}"),  # exactly the one-shot limit
+    (33, torch.float32, "sum", TWO_SHOT, "bytes <= "),
+    (TWO_SHOT_MAX_BYTES // 8192, torch.bfloat16, "sum", TWO_SHOT, "bytes <= "),
+    (TWO_SHOT_MAX_BYTES // 8192 + 1, torch.bfloat16, "sum", NCCL, "over the"),
+    (1, torch.float16, "sum", NCCL, "torch.float16"),
+    (1, torch.bfloat16, "max", NCCL, "sum only"),
+])
+def test_each_call_gets_one_shot_two_shot_or_nccl_by_size_dtype_and_reduction(rows, dtype, reduce_op, kind, why):
+    got, reason = kind_for_call(FAST_CHOICE, reduce_op=reduce_op, dtype=dtype, numel=rows * 4096)
+    assert got == kind and why in reason, (got, reason)
+
+
+def test_sizes_the_kernels_cannot_split_evenly_get_nccl():
+    assert kind_for_call(FAST_CHOICE, reduce_op="sum", dtype=torch.bfloat16, numel=3)[0] == NCCL  # 6 bytes
+    assert kind_for_call(FAST_CHOICE, reduce_op="sum", dtype=torch.float32, numel=4, contiguous=False)[0] == NCCL
+    big_odd = ONE_SHOT_MAX_BYTES // 4 + 4  # 16-byte multiple, but not 2 aligned shards
+    assert kind_for_call(FAST_CHOICE, reduce_op="sum", dtype=torch.float32, numel=big_odd)[0] == NCCL
+
+
+def test_a_group_on_nccl_sends_every_call_to_nccl():
+    choice = choose_for_group("tp", GOOD, configured="nccl")
+    assert kind_for_call(choice, reduce_op="sum", dtype=torch.bfloat16, numel=4096) == (NCCL, choice.reason)
+
+
+# -- the rewrite on a Dynamo graph ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_gloo_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def tensor_parallel_layer(x, w, group):
+    y = funcol.all_reduce(x @ w, "sum", group)  # row-parallel linear
+    peak = funcol.all_reduce(y, "max", group)  # left alone: not a sum
+    z = torch.relu(y) + peak
+    dist.all_reduce(z, group=group)  # traced as a functional all-reduce, wait and copy_
+    return z * 2
+
+
+def dynamo_graph(fn, *args):
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=keep, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def test_the_rewrite_routes_sum_pairs_and_leaves_the_others():
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    with one_gloo_rank() as group:
+        gm = dynamo_graph(tensor_parallel_layer, x, w, group)
+        sites = find_all_reduces(gm)
+        assert [(s.reduce_op, s.blocker is None) for s in sites] == [("sum", True), ("max", False), ("sum", True)]
+        assert all(s.wait is not None and s.group_name == group.group_name for s in sites)
+        assert "only sums" in sites[1].blocker
+        assert route_all_reduces(gm, sites, ALL_REDUCE_OP) == 2
+        ops = [op_name(n) for n in gm.graph.nodes]
+        assert ops.count("cgcompile::all_reduce") == 2
+        assert ops.count("_c10d_functional::wait_tensor") == 1  # the max's
+        # On gloo the routed op is the group's own all-reduce: the same result as eager.
+        torch.testing.assert_close(gm(x, w)[0], tensor_parallel_layer(x, w, group))
+
+
+def test_graphs_off_cuda_keep_their_collectives_with_the_reason():
+    x, w = torch.randn(3, 8), torch.randn(8, 8)
+    with one_gloo_rank() as group:
+        gm = dynamo_graph(tensor_parallel_layer, x, w, group)
+        before = gm.code
+        records = route_graph_all_reduces(gm, torch.device("cpu"), configured="auto")
+        assert gm.code == before
+        assert [r.kind for r in records] == [NCCL] * 3
+        assert [records[0].reason, records[2].reason] == ["the graph runs on cpu"] * 2
+        assert "only sums" in records[1].reason  # the site's own blocker comes first
+        nccl = route_graph_all_reduces(gm, torch.device("cuda"), configured="nccl")
+        assert [r.reason for r in nccl][0] == "Config.all_reduce='nccl'"
+        assert "[3, 8] torch.float32 on group" in str(records[0])
+
+
+def test_an_input_that_requires_grad_is_not_routed():
+    x, w = torch.randn(3, 8), torch.randn(8, 8, requires_grad=True)
+    with one_gloo_rank() as group:
+        gm = dynamo_graph(lambda x, w: funcol.all_reduce(x @ w, "sum", group), x, w)
+        assert "requires grad" in find_all_reduces(gm)[0].blocker
+
+
+# -- 2 ranks ------------------------------------------------------------------------------
+
+
+def test_on_two_gloo_ranks_everything_falls_back_and_equals_eager():
+    out = torchrun(ROOT / "tests" / "parallel" / "all_reduce_worker.py")
+    for rank in (0, 1):
+        assert f"rank {rank}: gloo falls back: ok" in out, out
+        assert f"rank {rank}: routed op equals eager: ok" in out, out
+
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs")
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_cuda_fast_all_reduce_in_captured_pieces_equals_nccl():
+    out = torchrun(ROOT / "tests" / "parallel" / "all_reduce_cuda_worker.py", timeout=400)
+    for rank in (0, 1):
+        assert f"rank {rank}: fast path chosen: ok" in out, out
+        assert f"rank {rank}: captured sizes equal nccl: ok" in out, out
+        assert f"rank {rank}: tensor-parallel decoder equals nccl: ok" in out, out
