@@ -24,6 +24,7 @@ from .config import AUTO, Config, FullGraphOptions
 from .errors import ConfigError
 from .full_graph import FullGraph, plain_function
 from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
+from .parallel.fast_all_reduce import route_graph_all_reduces
 from .passes import (
     CaptureDim,
     FullGraphPlan,
@@ -177,6 +178,8 @@ def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Conf
                  uncapturable: UncapturableOps) -> SplitGraph:
     # Rewrites before classifying: their new nodes are classified like any other.
     hoist_mask_conversion(gm)
+    if analysis.device.type == "cuda":  # each all-reduce gets its group's path (docs/parallel.md)
+        route_graph_all_reduces(gm, analysis.device, configured=config.all_reduce)
     if config.fold_grouped_query:
         fold_grouped_query_attention(gm)
     mutable = frozenset(
