@@ -18,9 +18,15 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
                     (cgcompile.parallel.pipeline.ring_schedule): tokens/s at batch 64
     pp2-eager       the same stages, eager
-    single          tp1-cgcompile's throughput at batch 64 (tokens/s = 64 / step time)
+    single          the unsharded model compiled with cgcompile on rank 0 alone at batch 64,
+                    measured with the pipeline whatever --batches says (tokens/s = 64 / step)
     all-reduce      a TP step's 64 all-reduces of [batch, hidden] alone, captured in one CUDA
                     graph: microseconds per all-reduce (what TP=2 pays that TP=1 does not)
+    all-reduce-fast the same through cgcompile's fast all-reduce (`cgcompile::all_reduce`,
+                    torch symmetric memory where the group allows it; CUDA only)
+
+--all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md);
+--json writes rank 0's rows to a file. NVLink multicast stays off in every run.
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
 --warmup steps before timing; TP step time is the median of --steps steps, each timed
@@ -42,6 +48,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -56,6 +64,7 @@ from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
 FILL = 256
+ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce)
 
 
 def parse_args():
@@ -66,6 +75,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"], help="Config.all_reduce")
+    p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--parts", default="pp,tp,allreduce",
                    help="which of pp (pipeline), tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
     args = p.parse_args()
@@ -82,7 +93,7 @@ def make_backend(device, reuse=False, full=False, small_query=False):
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     return cgcompile.Backend(cgcompile.Config(
         capture_sizes=(1, 8, 32, 64), compiler="inductor" if cuda else "eager", capture_error_mode="thread_local",
-        reuse_output_buffers=reuse, small_query_attention=small_query, **split))
+        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE, **split))
 
 
 def full_variants(device) -> tuple[tuple[str, bool], ...]:
@@ -124,7 +135,7 @@ def full_graph_share(backend) -> str:
 
 def tensor_parallel(llama, device, args, report):
     model = TensorParallelDecoder(llama)
-    prepare_collectives(device)
+    prepare_collectives(device, all_reduce=ALL_REDUCE)
     compiled = torch.compile(model, backend=make_backend(device))
     for batch in map(int, args.batches.split(",")):
         for name, fn in (("tp2-cgcompile", compiled), ("tp2-eager", model)):
@@ -191,6 +202,12 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
         seconds, _ = harness.wall_s(timed_steps, device)
         report(name, batch, tokens_per_s=batch * args.steps / seconds)
         torch._dynamo.reset()
+    if rank == 0:  # one GPU alone at the pipeline's batch, whatever --batches holds
+        single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
+        report("single", batch, step_s=step_seconds(single, device, batch, args))
+        del single
+        torch._dynamo.reset()
+    dist.barrier()
 
 
 def all_reduce_latency(cfg, device, dtype, args, report, per_step: int = 64):
@@ -215,11 +232,31 @@ def all_reduce_latency(cfg, device, dtype, args, report, per_step: int = 64):
         report("all-reduce", batch, us_per_all_reduce=statistics.median(ms) * 1e3 / per_step)
         if device.type == "cuda":
             graph.reset()  # before teardown: a live graph holding NCCL work blocks it
+            report("all-reduce-fast", batch, us_per_all_reduce=fast_all_reduce_us(x, device, args, per_step))
     dist.barrier()
+
+
+def fast_all_reduce_us(x, device, args, per_step: int) -> float:
+    """`all_reduce_latency`'s graph with cgcompile's fast all-reduce in place of NCCL's."""
+    prepare_collectives(device, all_reduce=ALL_REDUCE)
+    name = dist.group.WORLD.group_name
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    step = lambda k: [torch.ops.cgcompile.all_reduce(x, "sum", name) for _ in range(per_step)]  # noqa: E731
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        step(0)
+    ms = harness.time_steps(lambda k: graph.replay(), args.steps, args.warmup, device)
+    graph.reset()
+    return statistics.median(ms) * 1e3 / per_step
 
 
 def main():
     args = parse_args()
+    global ALL_REDUCE
+    ALL_REDUCE = args.all_reduce
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []
     with torchrun_worker(args.device) as device:
@@ -248,6 +285,9 @@ def main():
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             print_ratios(rows)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
 
 
 def print_ratios(rows):
@@ -267,9 +307,11 @@ def print_ratios(rows):
                           f"tp2-eager/tp2-cgcompile-{suffix} {eager / tp2_full:.2f}x")
         for batch in sorted({r["batch"] for r in rows if r["variant"] == "all-reduce" and r["model"] == model}):
             us = value(model, "all-reduce", batch, "us_per_all_reduce")
-            print(f"{model} batch {batch}: one all-reduce {us:.1f} us; a TP step's 64 take {us * 64 / 1e3:.2f} ms")
+            fast = value(model, "all-reduce-fast", batch, "us_per_all_reduce")
+            print(f"{model} batch {batch}: one all-reduce {us:.1f} us; a TP step's 64 take {us * 64 / 1e3:.2f} ms"
+                  + (f"; fast all-reduce {fast:.1f} us" if fast else ""))
         pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
-        single = value(model, "tp1-cgcompile", 64, "step_s")
+        single = value(model, "single", 64, "step_s")
         if not (pp and pp_eager):
             continue
         single_tps = 64 / single if single else float("nan")

@@ -38,7 +38,7 @@ def test_distributed_bench_runs_end_to_end_on_two_gloo_ranks():
     rows = [line for line in out.splitlines() if line.startswith("{")]
     variants = {json.loads(line)["variant"] for line in rows}
     assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "tp2-cgcompile-full", "tp1-cgcompile-full",
-                        "pp2-cgcompile", "pp2-eager", "all-reduce"}, out
+                        "pp2-cgcompile", "pp2-eager", "single", "all-reduce"}, out
     assert all(json.loads(line)["us_per_all_reduce"] > 0 for line in rows if '"all-reduce"' in line)
     assert "pp2-cgcompile/pp2-eager" in out
     full = [json.loads(line) for line in rows if json.loads(line)["variant"].endswith("-full")]
