@@ -12,7 +12,6 @@ PY=${PY:-python}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
-export CGCOMPILE_BENCH_QUIET=1
 declare -A STATUS
 
 run() {  # run NAME COMMAND...: under an 8-minute limit, output to $OUT/NAME.log
