@@ -25,7 +25,8 @@ import torch
 
 from .buffers import LiveBuffers, PaddingTable
 from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
-from .errors import CaptureError
+from .errors import CaptureError, describe
+from .passes import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,30 @@ def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode(False):
         alias = torch.as_tensor(_DeviceArray(interface), device=tensor.device)
         return alias.view(tensor.dtype)
+
+
+class HostTensorError(CaptureError):
+    """A piece about to be captured hands a CPU tensor across its boundary.
+
+    The split rule (`cgcompile.passes.split_rule`, rule cpu_tensor) runs every op that
+    reads or makes a CPU tensor eagerly, so this is a cgcompile bug. Caught before the
+    graph is kept: a capture that went through would replay the host value it was
+    captured with, a silent wrong result. It is a `CaptureError`, so a piece armed with
+    capture recovery (`recovery.PieceRecovery`) runs eagerly instead, with a warning that
+    quotes this message; elsewhere the user sees it."""
+
+
+def refuse_host_tensors(name: str, role: str, values) -> None:
+    """Raise `HostTensorError` naming the first of `values` (a piece's inputs or outputs)
+    that is, or holds, a CPU tensor."""
+    for i, value in enumerate((values,) if isinstance(values, torch.Tensor) else values):
+        if any(t.device.type == "cpu" for t in tensors_in(value)):
+            raise HostTensorError(
+                f"{name}: expected every tensor {role} of a captured piece on the GPU, got {role} {i}: "
+                f"{describe(value)}; a CUDA graph would replay the value it was captured with. "
+                f"The split rule should have run the op that {'reads' if role == 'input' else 'makes'} "
+                f"it eagerly: this is a cgcompile bug, please report it with the model"
+            )
 
 
 class EmptyGraph:
@@ -288,12 +313,18 @@ class CaptureSession:
         make_args runs inside the capture, so the buffers it allocates come from the pool.
         Returns (graph, args, outputs); outputs are owning tensors, valid after a replay.
         A capture that recorded no GPU work returns an `EmptyGraph`, whose replay is free.
+        A CPU tensor among the inputs or outputs raises `HostTensorError` (see there).
         """
         with self.on_capture_stream(), gc_paused():
             graph = self.begin_graph()
             try:
                 args = make_args()
+                refuse_host_tensors(name, "input", args)
                 outputs = fn(*args)
+                refuse_host_tensors(name, "output", outputs)
+            except HostTensorError:
+                self.abandon(graph)
+                raise
             except Exception as e:
                 self.abandon(graph)
                 raise CaptureError(f"capturing {name} failed: {e}") from e

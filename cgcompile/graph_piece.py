@@ -16,6 +16,8 @@ Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture di
     (`buffers.fill_all`).
   - outputs are the graph's static buffers narrowed to n rows: they stay valid until
     the next replay of the same graph.
+  - no input or output is a CPU tensor (the split rule's cpu_tensor): a capture that
+    would hold one fails with `capture.HostTensorError`, and `recover` takes over.
 """
 
 from __future__ import annotations

@@ -11,7 +11,11 @@ Rules, in order:
   device_copy   the output lives on another device than the inputs (`.to("cpu")`), or
                 the op builds an accelerator tensor from host data (`torch.tensor(list,
                 device="cuda")`): a copy from host memory that a graph cannot replay
-  cpu_tensor    the graph runs on an accelerator but this op computes on the CPU
+  cpu_tensor    the graph runs on an accelerator but this op computes on the CPU, or
+                reads a CPU tensor: a graph input, a constant (`get_attr`), a 0-dim
+                scalar (`x + torch.tensor(eps)`), CPU indices, or a CPU tensor whose
+                size it reads (the split hands that tensor to the piece); a CUDA graph
+                would replay the value it was captured with
   collective    the graph runs on an accelerator and a functional collective (or the
                 wait for one) uses a process group whose backend there is not NCCL:
                 only NCCL kernels can be captured (gloo copies through the host)
@@ -86,6 +90,7 @@ def classify_nodes(
     names of placeholders that are neither parameters nor buffers.
     """
     allowed = {capture_symbol} if capture_symbol is not None else set()
+    cpu_reads = _CpuReads(gm) if on_accelerator else None
     eager = {}
     written_views = _views_written_through(gm)
     position: dict[Node, int] = {}
@@ -94,7 +99,7 @@ def classify_nodes(
         position[node] = i
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        reason = _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) or _earlier_piece_rule(
+        reason = _reason(node, op_reason, allowed, cpu_reads, mutable_inputs) or _earlier_piece_rule(
             node, position, last_eager, written_views
         )
         if reason is not None:
@@ -103,7 +108,8 @@ def classify_nodes(
     return eager
 
 
-def _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) -> tuple[str, str] | None:
+def _reason(node, op_reason, allowed, cpu_reads: _CpuReads | None, mutable_inputs) -> tuple[str, str] | None:
+    """cpu_reads: None when the graph runs on the CPU (nothing there is captured)."""
     why = op_reason(node.target) if node.op == "call_function" else None
     if why:
         return "split_op", why
@@ -112,12 +118,14 @@ def _reason(node, op_reason, allowed, on_accelerator, mutable_inputs) -> tuple[s
         return "host_sync", sync
     if is_floating(node):
         return None
+    on_accelerator = cpu_reads is not None
     collective = _collective_rule(node) if on_accelerator else None
     if collective:
         return "collective", collective
     outputs = tensors_in(example_value(node))
     return (
         _device_rule(node, outputs, on_accelerator)
+        or (_cpu_read_rule(node, cpu_reads) if on_accelerator else None)
         or _symbol_rule(node, outputs, allowed)
         or _scalar_rule(node, allowed)
         or _mutation_rule(node, mutable_inputs)
@@ -176,6 +184,58 @@ def _device_rule(node: Node, outputs: list[torch.Tensor], on_accelerator: bool) 
     if on_accelerator and any(out.device.type == "cpu" for out in outputs):
         return "cpu_tensor", "computes on CPU tensors, which a CUDA graph cannot hold"
     return None
+
+
+def _cpu_read_rule(node: Node, cpu_reads: _CpuReads) -> tuple[str, str] | None:
+    found = cpu_reads.read_by(node)
+    if found is None:
+        return None
+    arg, source = found
+    through = "" if arg is source else f" through the size computation {arg.name}, which hands it to the piece"
+    # No semicolon: reasons are joined with "; ".
+    return ("cpu_tensor", f"reads a CPU tensor {source.name}{through}, and a CUDA graph would replay "
+                          f"the value it was captured with")
+
+
+class _CpuReads:
+    """Which CPU tensor, if any, each node reads: one of its arguments, a constant
+    (`get_attr`, copied into every piece that reads it), or a tensor that a size computation
+    among its arguments reads. Size computations are floating (`is_floating`): the split
+    copies them into the piece and hands the piece the tensors they read, so
+    `x.view(t.size(0), -1)` makes a CPU `t` an input of `x`'s piece."""
+
+    def __init__(self, gm: GraphModule):
+        # The CPU tensor each node is, or (a size computation) reads; in graph order, so
+        # every argument's entry is there before its users'.
+        self._source: dict[Node, Node | None] = {}
+        for node in gm.graph.nodes:
+            if any(t.device.type == "cpu" for t in tensors_in(_value(gm, node))):
+                self._source[node] = node
+            elif node.op != "get_attr" and is_floating(node):
+                found = self.read_by(node)
+                self._source[node] = found[1] if found else None
+
+    def read_by(self, node: Node) -> tuple[Node, Node] | None:
+        """(the argument, the CPU tensor it is or reads) for the first such argument, or None."""
+        for arg in node.all_input_nodes:
+            source = self._source.get(arg)
+            if source is not None:
+                return arg, source
+        return None
+
+
+def _value(gm: GraphModule, node: Node) -> Any:
+    value = example_value(node)
+    if value is None and node.op == "get_attr":  # a constant without metadata: the real one
+        value = _fetch_attr(gm, node.target)
+    return value
+
+
+def _fetch_attr(gm: GraphModule, target: str) -> Any:
+    value: Any = gm
+    for atom in target.split("."):
+        value = getattr(value, atom, None)
+    return value
 
 
 def _builds_from_host_data(node: Node) -> bool:

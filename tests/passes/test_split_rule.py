@@ -5,6 +5,7 @@ import logging
 import torch
 
 import cgcompile
+from cgcompile.passes import example_value
 from cgcompile.testing.models import SILLY_OP
 
 silly = torch.ops.cgcompile_testing.silly_attention
@@ -229,3 +230,117 @@ def test_an_out_argument_is_written_for_the_split_rule_and_the_full_graph_plan()
                            mutable_inputs=frozenset(placeholders))
     assert [(reason.rule, reason.detail) for reason in eager.values()] == [
         ("input_mutation", "writes in place into graph input l_buf_")]
+
+
+# -- CPU tensors in a graph that runs on an accelerator ---------------------------------
+# Traced with fake CUDA tensors (FakeTensorMode needs no GPU), so the rule sees the devices
+# a GPU run has: a CPU tensor among CUDA ones.
+
+
+def _on_fake_cuda(module: torch.nn.Module, inputs: dict[str, str], cpu_after: tuple[str, ...] = ()):
+    """`module` traced with fake inputs of the given shapes ("cuda:8,4", "cpu:", "cuda:4:long"),
+    its nodes' `val` metadata set by fake propagation; then `cpu_after` placeholders are made
+    CPU tensors (a CUDA op indexed with CPU indices cannot be propagated without a GPU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = torch.fx.symbolic_trace(module)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # constants stay real CPU tensors
+
+    def make(spec, device=None):
+        where, shape, *dtype = spec.split(":")
+        dims = [int(d) for d in shape.split(",") if d]
+        return torch.zeros(dims, device=device or where, dtype=torch.long if dtype else torch.float32)
+
+    with mode:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*(make(s) for s in inputs.values()))
+        for name in cpu_after:
+            gm.graph.find_nodes(op="placeholder", target=name)[0].meta["val"] = make(inputs[name], "cpu")
+    return gm
+
+
+def _classify(gm, on_accelerator=True):
+    from cgcompile.passes import classify_nodes
+
+    return classify_nodes(gm, op_reason=lambda target: None, capture_symbol=None,
+                          on_accelerator=on_accelerator, mutable_inputs=frozenset())
+
+
+class _ReadsHostTensors(torch.nn.Module):
+    def forward(self, x, s, idx, t):  # x: [8, 4] cuda; s: [] cpu; idx: [4] cpu; t: [2] cpu
+        y = x.sin() * s  # a 0-dim CPU tensor as a scalar operand
+        z = y.index_select(0, idx) + torch.tensor(0.5)  # CPU indices; a CPU constant (get_attr)
+        w = z.view(t.size(0), -1)  # only t's size, but the split would hand t to the piece
+        return w.cos()
+
+
+def test_an_op_reading_a_cpu_tensor_is_cpu_tensor():
+    gm = _on_fake_cuda(_ReadsHostTensors(), {"x": "cuda:8,4", "s": "cpu:", "idx": "cuda:4:long", "t": "cpu:2"},
+                       cpu_after=("idx",))
+    eager = {node.name: str(reason) for node, reason in _classify(gm).items()}
+    replays = "and a CUDA graph would replay the value it was captured with [cpu_tensor]"
+    assert eager == {
+        "mul": f"mul: reads a CPU tensor s, {replays}",
+        "index_select": f"index_select: reads a CPU tensor idx, {replays}",
+        "add": f"add: reads a CPU tensor _tensor_constant0, {replays}",
+        "view": f"view: reads a CPU tensor t through the size computation size, which hands it to the piece, {replays}",
+    }
+    assert _classify(gm, on_accelerator=False) == {}  # on CPU nothing is captured
+
+
+def test_an_all_cuda_graph_has_no_cpu_tensor_reason():
+    # The same ops with every tensor on CUDA: nothing runs eagerly (the rule reads devices,
+    # not op names). The constant is a CUDA tensor here.
+    class AllCuda(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("shift", torch.zeros(()))
+
+        def forward(self, x, s, idx, t):
+            y = x.sin() * s
+            z = y.index_select(0, idx) + self.shift
+            return z.view(t.size(0), -1).cos()
+
+    module = AllCuda()
+    gm = _on_fake_cuda(module, {"x": "cuda:8,4", "s": "cuda:", "idx": "cuda:4:long", "t": "cuda:2"})
+    gm.graph.find_nodes(op="get_attr")[0].meta["val"] = None  # read the constant itself instead
+    gm.shift = torch.empty((), device="meta")  # not CPU: stands in for a CUDA buffer
+    assert _classify(gm) == {}
+    gm.shift = torch.zeros(())  # a constant left on the CPU (a plain tensor attribute) is read
+    assert [str(r) for r in _classify(gm).values()] == [
+        "add: reads a CPU tensor shift, and a CUDA graph would replay the value it was captured with [cpu_tensor]"]
+
+
+def test_no_capturable_piece_of_the_split_holds_a_cpu_tensor():
+    from cgcompile.passes import example_value, split_graph, tensors_in
+
+    gm = _on_fake_cuda(_ReadsHostTensors(), {"x": "cuda:8,4", "s": "cpu:", "idx": "cuda:4:long", "t": "cpu:2"},
+                       cpu_after=("idx",))
+    split = split_graph(gm, _classify(gm))
+    assert [p.capturable for p in split.pieces] == [True, False, True]
+    for piece in split.pieces:
+        if not piece.capturable:
+            continue
+        crossing = [*piece.inputs, *piece.outputs, *piece.graph.graph.find_nodes(op="get_attr")]
+        devices = {t.device.type for node in crossing for t in tensors_in(example_value(node))}
+        assert devices == {"cuda"}, (piece.name, devices)
+
+
+def test_a_cpu_scalar_in_an_accelerator_graph_runs_eagerly_end_to_end():
+    # The meta device stands in for an accelerator (see test_device_copy_and_cpu_tensor):
+    # Dynamo's graph holds meta tensors, a CPU graph input and a CPU tensor made inside.
+    def f(x, s):
+        y = x.sin() * s
+        return (y + torch.tensor(0.5)).cos()
+
+    compiled, backend = compile_eager(f)
+    out = compiled(torch.randn(4, 8, device="meta"), torch.tensor(2.0))
+    assert (out.device.type, out.shape) == ("meta", (4, 8))
+    assert [p.capturable for p in backend.pieces] == [True, False, True]
+    eager = backend.pieces[1]
+    assert rules(eager) == ["cpu_tensor", "device_copy", "cpu_tensor"]
+    assert eager.reason.startswith("y: reads a CPU tensor l_s_, and a CUDA graph would replay")
+    assert "add: reads a CPU tensor tensor," in eager.reason
+    for piece in backend.pieces[0::2]:  # the capturable pieces: no CPU tensor in or out
+        values = [example_value(n) for n in piece.graph.graph.nodes if n.op in ("placeholder", "get_attr")]
+        assert all(v.device.type == "meta" for v in values if isinstance(v, torch.Tensor))
