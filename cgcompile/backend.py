@@ -112,6 +112,8 @@ class Backend:
         self._count_fusion(fusion)
         gm = fusion.gm
         analysis = phases.analyse(gm, fusion.example_inputs, self.config)
+        analysis = phases.without_graphs_for_autograd(index, analysis, fusion.example_inputs)
+        self._count_uncaptured(analysis)
         split = phases.split_pieces(gm, analysis, self.config, self._uncapturable)
         sizing = phases.choose_sizing(split, analysis, self.config)
         build = phases.GraphBuild(index, analysis, sizing, StepSize(), self._compiler, self.config)
@@ -136,6 +138,11 @@ class Backend:
         for runtime in self.runtimes:
             if runtime.fused is not None:
                 runtime.fused.invalidate()
+
+    def _count_uncaptured(self, analysis: phases.GraphAnalysis) -> None:
+        if analysis.uncaptured is not None:
+            counts = self._stats.uncaptured_graphs
+            counts[analysis.uncaptured] = counts.get(analysis.uncaptured, 0) + 1
 
     def _count_fusion(self, fusion: phases.Fusion) -> None:
         if fusion.weights is not None:

@@ -73,6 +73,7 @@ class GraphAnalysis:
     static_inputs: frozenset[str]  # placeholder names of parameters and buffers
     device: torch.device  # the accelerator the graph runs on, or cpu
     cudagraphs: bool
+    uncaptured: str | None = None  # why a graph that could have CUDA graphs has none (autograd)
 
     @property
     def symbol(self):
@@ -174,6 +175,45 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> G
     return GraphAnalysis(capture_dim, index, static, device, cudagraphs)
 
 
+# Why a graph that needs gradients runs without CUDA graphs (`without_graphs_for_autograd`).
+NEEDS_GRADIENTS = ("needs gradients: autograd saves tensors that a CUDA graph replay would overwrite; "
+                   "its pieces run compiled, without CUDA graphs")
+
+
+def without_graphs_for_autograd(index: int, analysis: GraphAnalysis, example_inputs: list) -> GraphAnalysis:
+    """The analysis with CUDA graphs off where the graph's calls build an autograd graph.
+
+    A backward reads what autograd saved in the forward: the inputs of a cross-entropy
+    (its labels), activations, the ids of an embedding. Under CUDA graphs those are the
+    static input buffers and the pool memory of a graph's outputs, which the next call's
+    copy or any later replay overwrites before the backward runs. Without graphs every
+    piece is still compiled (Inductor through AOTAutograd, with its own backward) and
+    autograd saves tensors that belong to the call.
+
+    Why deciding on the example inputs is enough: Dynamo guards the grad mode and each
+    tensor input's requires_grad, so a call that differs in either (`torch.no_grad()`,
+    `inference_mode`, frozen parameters) runs another graph, compiled for it: inference
+    still captures.
+    """
+    if not analysis.cudagraphs or not _needs_gradients(example_inputs):
+        return analysis
+    log.info("cgcompile: graph %d runs without CUDA graphs: %s", index, NEEDS_GRADIENTS)
+    _warn_uncaptured_for_autograd()
+    return dataclasses.replace(analysis, cudagraphs=False, uncaptured=NEEDS_GRADIENTS)
+
+
+def _needs_gradients(example_inputs: list) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+
+
+@functools.cache
+def _warn_uncaptured_for_autograd() -> None:
+    """Once per process: training runs slower than inference would under graphs."""
+    log.warning("cgcompile: a graph compiled with gradients enabled runs without CUDA graphs (%s). Inference "
+                "under torch.no_grad() or torch.inference_mode() compiles its own graph, with CUDA graphs",
+                NEEDS_GRADIENTS)
+
+
 def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Config,
                  uncapturable: UncapturableOps) -> SplitGraph:
     # Rewrites before classifying: their new nodes are classified like any other.
@@ -226,7 +266,7 @@ def build_runners(build: GraphBuild, split: SplitGraph, session: CaptureSession,
     piece_outputs = {out for spec in split.pieces for out in spec.outputs}
     runners, pieces = [], []
     for spec in split.pieces:
-        piece = _record_piece(build.index, spec, build.sizing)
+        piece = _record_piece(build.index, spec, build.sizing, build.analysis.uncaptured)
         pieces.append(piece)
         if not spec.capturable:
             runners.append(PieceRunner(piece.name, spec.graph))
@@ -257,14 +297,14 @@ def _make_runner(build: GraphBuild, piece: Piece, spec, fn, session: CaptureSess
     return CudaGraphPiece(piece.name, fn, layout, session, build.step, traced)
 
 
-def _record_piece(graph_index: int, spec, sizing: GraphSizing) -> Piece:
+def _record_piece(graph_index: int, spec, sizing: GraphSizing, uncaptured: str | None) -> Piece:
     reason = "; ".join(str(r) for r in spec.reasons) if not spec.capturable else None
     hazards = sizing.hazards.get(spec.name)
     padding = "; ".join(map(str, hazards)) if hazards else None
     shapes = tuple(describe_input(example_value(n)) for n in spec.inputs)
     return Piece(
         f"graph{graph_index}.{spec.name}", graph_index, spec.capturable, reason, spec.graph, shapes,
-        padding_unsafe=padding, sizes=sizing.why,
+        padding_unsafe=padding, sizes=sizing.why, uncaptured=uncaptured if spec.capturable else None,
     )
 
 

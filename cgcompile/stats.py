@@ -22,6 +22,8 @@ class Piece:
         node (None when it keeps rows apart); see `cgcompile.passes.padding_safety`.
     sizes: how its graph's pieces are sized, and why ("padded to the capture sizes",
         "exact sizes: piece_2 is unsafe to pad (...)", "static: ...").
+    uncaptured: why this capturable piece runs compiled but never from a CUDA graph on a
+        device that has them (its graph needs gradients: `phases.without_graphs_for_autograd`).
     """
 
     name: str
@@ -32,6 +34,7 @@ class Piece:
     input_shapes: tuple[str, ...]
     padding_unsafe: str | None = None
     sizes: str = ""
+    uncaptured: str | None = None
 
     @property
     def node_count(self) -> int:
@@ -59,6 +62,9 @@ class BackendStats:
     # Config.full_graph is "auto" (the default) and CUDA graphs are on, "configured: ..."
     # where written out, "off: ..." or "none: ..." (no full graph, and why).
     full_graph_choices: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Graphs that could have had CUDA graphs but run without, by why (their calls need
+    # gradients: see `phases.without_graphs_for_autograd`).
+    uncaptured_graphs: dict[str, int] = dataclasses.field(default_factory=dict)
     # Compiles made for full graphs: whole graphs (Config.full_graph_compile), eager pieces
     # holding attention (Config.small_query_attention).
     full_graph_compilations: int = 0

@@ -243,7 +243,9 @@ def compiled_toy_llama(compiler: str, sizes: tuple[int, ...], n_layers: int = 3,
     """(model, backend, compiled): a seeded ToyLlama on CUDA, split at the silly op."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = ToyLlama(n_layers, hidden=64, vocab=128).cuda()
+    # Frozen: an inference model. With gradients on, a graph whose parameters require grad
+    # runs without CUDA graphs (tests/test_training.py).
+    model = ToyLlama(n_layers, hidden=64, vocab=128).cuda().requires_grad_(False)
     config = cgcompile.Config(splitting_ops=(SILLY_OP,), compiler=compiler, capture_sizes=sizes, **fields)
     backend = cgcompile.Backend(config)
     return model, backend, torch.compile(model, backend=backend)

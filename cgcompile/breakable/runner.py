@@ -53,7 +53,7 @@ from torch.utils import _pytree as pytree
 from ..buffers import SharedStatics, SizePolicy, StaticInput, padded_rows_copy
 from ..capture import CaptureSession
 from ..config import Config
-from ..errors import expect
+from ..errors import StateError, expect, expected
 from ..ops import call_without_cudnn_attention
 from ..weights import ModuleTensors, ParameterAddresses
 from .record import Recorder, recording, run_as_eager_break
@@ -233,11 +233,20 @@ class BreakableRunner:
         if size is None or not self.addresses.allow_addresses(self._tensors.read()):
             return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
-        if decision.action is Action.REPLAY:
-            return self._replay(decision.entry, leaves, n, size)
         if decision.action is Action.EAGER:
             return self._forward(*args, **kwargs)
-        return self._record(decision.action, leaves, structure, n, size)
+        if decision.action is Action.REPLAY:
+            outputs = self._replay(decision.entry, leaves, n, size)
+        else:
+            outputs = self._record(decision.action, leaves, structure, n, size)
+        if decision.action is not Action.OBSERVE and torch.is_grad_enabled() and self._needs_gradients(leaves):
+            return _refusing_backward(outputs, self.name)
+        return outputs
+
+    def _needs_gradients(self, leaves: list) -> bool:
+        """Whether eager's call would build an autograd graph (read with grad mode on only)."""
+        return (any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+                or any(p.requires_grad for p in self.module.parameters()))
 
     # -- replay ---------------------------------------------------------------------------
 
@@ -289,6 +298,30 @@ class BreakableRunner:
         if dump_dir:
             self.group.dump(dump_dir)
         return _cut(outputs, n, size, self.clone_outputs)
+
+
+def _refusing_backward(outputs, name: str):
+    """`outputs` cut off from autograd, each raising at a backward that reaches it.
+
+    A replay (and the capture before it) runs outside autograd's view: what autograd
+    recorded at capture saved static buffers and pool memory that every later replay
+    rewrites, so a backward through it would compute another call's gradients. Calls that
+    only read the outputs (inference that forgot `torch.no_grad()`) are unaffected."""
+    def refuse(grad):
+        raise StateError(expected(
+            f"breakable graphs of {name}", "no backward through a replayed CUDA graph",
+            "a backward that reaches its output",
+            "train through torch.compile(model, backend='cgcompile'), which runs graphs that need gradients "
+            "without CUDA graphs, or the eager model; run inference under torch.no_grad()", raw=True))
+
+    def cut(x):
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
+            return x
+        x = x.detach().requires_grad_()
+        x.register_hook(refuse)
+        return x
+
+    return cut(outputs) if isinstance(outputs, torch.Tensor) else pytree.tree_map(cut, outputs)
 
 
 def _cut(outputs, n: int, size: int, clone: bool):
