@@ -239,7 +239,7 @@ class LazyModel(torch.nn.Module):
 @pytest.mark.cuda
 def test_lazy_init_op_gets_fresh_state_for_capture():
     torch._dynamo.reset()
-    model = LazyModel().cuda()
+    model = LazyModel().cuda().requires_grad_(False)  # inference: graphs that need gradients are not captured
     backend = cgcompile.Backend(cgcompile.Config(
         splitting_ops=("cgcompile_test::lazy_scale",), compiler="eager", capture_sizes=(4, 8)))
     compiled = torch.compile(model, backend=backend)
