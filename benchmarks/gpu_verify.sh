@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks that CI cannot run, in one call on the lent GPU machine: the cuda-marked
-# tests, the differential padding fuzzer and the model zoo (fp32, and bf16 for the language
-# models), run side by side (the GPU is shared by correctness jobs only; nothing here is
-# timed). Logs and JSON go to $OUT/verify.tgz; the summary is printed.
+# tests, the differential padding fuzzer and the model zoos (transformers: fp32, and bf16 for
+# the language models; models that are not transformers: fp32 and bf16), run side by side
+# (the GPU is shared by correctness jobs only; nothing here is timed). Logs and JSON go to
+# $OUT/verify.tgz; the summary is printed.
 #
 #   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
 #   ONLY="pytest_graphs zoo_a" OUT=/tmp/out bash benchmarks/gpu_verify.sh 240   # named jobs only
@@ -13,6 +14,11 @@ LIMIT=${1:-500}
 LOGS=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1
+# timm and diffusers for the second zoo: the GPU machine has no network, so their wheels come
+# in .whl/ (downloaded beside the checkout, carried with it); without them those rows skip.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-deps --no-index .whl/*.whl >>"$LOGS/install.log" 2>&1
+fi
 
 job() {  # job NAME COMMAND...: run in the background under the time limit, log to $LOGS/NAME.log
   local name=$1; shift
@@ -70,6 +76,28 @@ job zoo_fused_b "${ZOO[@]}" --json "$LOGS/zoo_fused_b.json" --fuse-sibling-linea
   --models gptj,opt,mixtral,qwen2_moe,qwen3_moe
 job zoo_fused_c "${ZOO[@]}" --json "$LOGS/zoo_fused_c.json" --fuse-sibling-linears \
   --models olmoe,granitemoe,phimoe,deepseek_v3,encoder,vision
+# The zoo of models that are not transformers (benchmarks/model_zoo_beyond.py): 1, 3, 8, 1 items
+# on one compiled model. The ResNet-50 detectors compile slowly (about 100 s for the four
+# sizes), so two detectors a job. The GNNs also run plain torch.compile (--reference inductor):
+# errors it shares are "upstream" rows (docs/upstream.md), not failures.
+BEYOND=(python3 benchmarks/model_zoo_beyond.py --device cuda)
+job zoo_beyond_images "${BEYOND[@]}" --json "$LOGS/zoo_beyond_images.json" \
+  --models classification,video,optical_flow
+job zoo_beyond_segmentation "${BEYOND[@]}" --json "$LOGS/zoo_beyond_segmentation.json" --models segmentation
+job zoo_beyond_detect_a "${BEYOND[@]}" --json "$LOGS/zoo_beyond_detect_a.json" \
+  --models fasterrcnn_mobilenet,maskrcnn_resnet50
+job zoo_beyond_detect_b "${BEYOND[@]}" --json "$LOGS/zoo_beyond_detect_b.json" --models retinanet_resnet50,ssdlite320
+job zoo_beyond_audio "${BEYOND[@]}" --json "$LOGS/zoo_beyond_audio.json" --models torchaudio
+job zoo_beyond_graph "${BEYOND[@]}" --json "$LOGS/zoo_beyond_graph.json" --models torch_geometric \
+  --reference inductor
+job zoo_beyond_timm_diffusers "${BEYOND[@]}" --json "$LOGS/zoo_beyond_timm_diffusers.json" --models timm,diffusers
+# In bfloat16 with eager pieces, as the transformers zoo; not the detectors (near-tied scores
+# reorder their boxes at bfloat16's precision).
+BEYOND_BF16=("${BEYOND[@]}" --dtype bfloat16 --compiler eager)
+job zoo_beyond_bf16_images "${BEYOND_BF16[@]}" --json "$LOGS/zoo_beyond_bf16_images.json" \
+  --models classification,segmentation,video,optical_flow
+job zoo_beyond_bf16_rest "${BEYOND_BF16[@]}" --json "$LOGS/zoo_beyond_bf16_rest.json" \
+  --models torchaudio,torch_geometric,timm,diffusers
 wait
 sort "$LOGS/status.txt"
 # cgcompile never launches an empty graph and says so at INFO; torch's warning means one slipped through.

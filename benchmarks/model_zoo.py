@@ -428,10 +428,12 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def output_tensors(output) -> list[torch.Tensor]:
-    """Every tensor of a model output, nested tuples flattened, in order."""
+    """Every tensor of a model output, nested tuples, lists and dicts flattened, in order."""
     values = output.to_tuple() if hasattr(output, "to_tuple") else output
     if isinstance(values, torch.Tensor):
         return [values]
+    if isinstance(values, dict):  # torchvision's detection and segmentation outputs (benchmarks/model_zoo_beyond.py)
+        values = values.values()
     return [t for v in values if v is not None for t in output_tensors(v)]
 
 
