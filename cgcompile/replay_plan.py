@@ -26,7 +26,9 @@ run only while the session captures lazily (never during an ahead-of-time captur
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import logging
+import math
 import operator
 from typing import Any, Callable
 
@@ -52,57 +54,98 @@ class CapturedGraph:
     output_dims: tuple[tuple[int, ...], ...]
 
 
-class _Writer:
-    """Lines of the generated function and the constants they name."""
+class NotCaptured(Exception):
+    """A graph piece holds no graph for the plan's size yet: its call still captures."""
 
-    def __init__(self, stitch: torch.fx.GraphModule):
-        self.stitch = stitch
+
+_PLAIN = (bool, int, str, type(None))  # exact types whose repr is source that evaluates back to them
+
+
+class _Writer:
+    """Lines of the generated function, the constants they name, and the source that
+    names each stitch node's value (a local, `args[i]`, or a constant)."""
+
+    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int):
+        self.stitch, self.calls, self.n, self.size = stitch, calls, n, size
         self.lines: list[str] = []
         self.constants: dict[str, Any] = {}
-        self.values_of: dict[torch.fx.Node, tuple] = {}  # graph piece node -> its outputs at n rows
+        self.values: dict[torch.fx.Node, str] = {}
+        self.graph_outputs: dict[torch.fx.Node, Any] = {}  # graph piece node -> its full-size output aliases
+        self.narrowed: dict[torch.fx.Node, tuple] = {}  # graph piece node -> its outputs at n rows
 
     def constant(self, value: Any, hint: str = "c") -> str:
         name = f"{hint}{len(self.constants)}"
         self.constants[name] = value
         return name
 
-    def expr(self, arg, values: dict) -> str:
-        """Python source for an FX argument: a node's value, a container, or a constant."""
+    def expr(self, arg) -> str:
+        """Source for an FX argument. Containers are written as literals (a list is a new
+        list per call, as in FX's code); a leaf is a node's value, a plain literal (int,
+        bool, str, None, finite float), or else a bound constant: the repr of an IntEnum,
+        `torch.Size([])`, `inf`, a dtype or a numpy scalar is not source for the value."""
         if isinstance(arg, torch.fx.Node):
-            return values[arg]
-        if isinstance(arg, (tuple, list)):
-            inner = ", ".join(self.expr(a, values) for a in arg)
-            return f"({inner},)" if isinstance(arg, tuple) else f"[{inner}]"
-        if isinstance(arg, dict):
-            return "{" + ", ".join(f"{k!r}: {self.expr(v, values)}" for k, v in arg.items()) + "}"
-        if arg is None or isinstance(arg, (bool, int, float, str)):
+            return self.values[arg]
+        if type(arg) in _PLAIN or (type(arg) is float and math.isfinite(arg)):
             return repr(arg)
-        return self.constant(arg)
+        if type(arg) is tuple:
+            return _tuple(self.expr(a) for a in arg)
+        if isinstance(arg, list):  # and FX's immutable_list
+            return "[" + ", ".join(self.expr(a) for a in arg) + "]"
+        if isinstance(arg, dict):  # and FX's immutable_dict
+            return "{" + ", ".join(f"{self.expr(k)}: {self.expr(v)}" for k, v in arg.items()) + "}"
+        if not _has_node(arg):
+            return self.constant(arg)
+        if isinstance(arg, slice):
+            bounds = ", ".join(self.expr(a) for a in (arg.start, arg.stop, arg.step))
+            return f"{self.constant(slice, 'slice')}({bounds})"
+        if isinstance(arg, tuple):  # a namedtuple or torch.Size holding nodes: built as FX's map_aggregate does
+            items = ", ".join(self.expr(a) for a in arg)
+            make = self.constant(type(arg), "make")
+            return f"{make}({items})" if hasattr(arg, "_fields") else f"{make}({_tuple([items] if arg else [])})"
+        raise TypeError(f"expected an FX argument (a node, literal, container or slice), got {type(arg).__name__}")
+
+    def call_args(self, args, kwargs) -> str:
+        named = []
+        for k, v in kwargs.items():
+            if not k.isidentifier() or keyword.iskeyword(k):
+                raise ValueError(f"expected keyword argument names, got {k!r}")
+            named.append(f"{k}={self.expr(v)}")
+        return ", ".join([self.expr(a) for a in args] + named)
 
 
-def build_plan(stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int) -> Callable | None:
-    """The replay function of the stitch for calls of n rows run at `size`, or None when a
-    graph piece holds no graph for that size (it still has to capture).
+def _tuple(items) -> str:
+    items = list(items)
+    return f"({', '.join(items)},)" if items else "()"
+
+
+def _has_node(arg) -> bool:
+    found = []
+    torch.fx.node.map_arg(arg, found.append)
+    return bool(found)
+
+
+def build_plan(stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int) -> Callable:
+    """The replay function of the stitch for calls of n rows run at `size`.
 
     calls: the runtime's per-piece callables by submodule name (a graph piece's bound
     `forward`, an eager piece's code, a recovery's replacement).
+    Raises NotCaptured when a graph piece holds no graph for that size (it still has to
+    capture); any other exception means the plan cannot be made (`ReplayPlans` falls back).
     """
-    out = _Writer(stitch)
-    values: dict[torch.fx.Node, str] = {}
-    graph_outputs: dict[torch.fx.Node, tuple] = {}  # graph piece node -> its full-size output aliases
-    placeholders = 0
+    out = _Writer(stitch, calls, n, size)
     last_use = _last_uses(stitch.graph)
+    placeholders = 0
     for node in stitch.graph.nodes:
-        value = _write_node(out, node, calls, values, graph_outputs, placeholders, n, size)
-        if value is _NOT_CAPTURED:
-            return None
-        values[node] = value
-        placeholders += node.op == "placeholder"
+        if node.op == "output":  # the last line: nothing runs after a return
+            out.lines.append(f"return {out.expr(node.args[0])}")
+            break
+        out.values[node] = f"args[{placeholders}]" if node.op == "placeholder" else _write_node(out, node)
+        placeholders += node.op == "placeholder"  # read where used: most are parameters, never read
         # As FX's own code does: let an eager piece's result go once nothing reads it.
-        done = [values[d] for d in last_use.get(node, ()) if values[d].startswith("v_")]
+        done = [out.values[d] for d in last_use.get(node, ()) if out.values[d].startswith("v_")]
         if done:
             out.lines.append(" = ".join(done) + " = None")
-    return _compile(out, stitch, n, size)
+    return _compile(out, n, size)
 
 
 def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
@@ -117,76 +160,82 @@ def _last_uses(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]
     return by_user
 
 
-_NOT_CAPTURED = object()
-_UNMADE = object()
-
-
-def _write_node(out: _Writer, node: torch.fx.Node, calls: dict, values: dict, graph_outputs: dict,
-                placeholders: int, n: int, size: int):
+def _write_node(out: _Writer, node: torch.fx.Node) -> str:
     """Write what `node` does per call; return the source that names its value (a local,
-    or a constant), or _NOT_CAPTURED."""
+    or a constant)."""
     var = f"v_{node.name}"
-    if node.op == "placeholder":
-        return f"args[{placeholders}]"  # read where used: most are parameters, never read
-    elif node.op == "get_attr":
+    if node.op == "get_attr":
         return out.constant(_fetch_attr(out.stitch, node.target), "attr")
-    elif node.op == "call_module":
-        graph = _captured(calls[node.target], size)
-        if graph is _NOT_CAPTURED:
-            return graph
-        if graph is not None:
-            _write_replay(out, node, graph, values, graph_outputs, n, size)
-            graph_outputs[node] = graph.outputs
-            with torch.inference_mode(False):  # views usable in and outside inference mode
-                narrowed = tuple(narrow(o, d, n) for o, d in zip(graph.outputs, graph.output_dims))
-            out.values_of[node] = narrowed
-            return out.constant(narrowed, "out")
-        args = ", ".join(out.expr(a, values) for a in node.args)
-        out.lines.append(f"{var} = {out.constant(calls[node.target], 'call')}({args})")
-    elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in graph_outputs:
+    if node.op == "call_module":
+        return _write_module_call(out, node, var)
+    if node.op == "call_function" and node.target is operator.getitem and _is_node_in(node.args[0], out.narrowed):
         source, index = node.args
-        graph_outputs[node] = graph_outputs[source][index]
-        return out.constant(out.values_of[source][index], "out")
-    elif node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], int):
-        out.lines.append(f"{var} = {values[node.args[0]]}[{node.args[1]}]")
+        out.graph_outputs[node] = out.graph_outputs[source][index]
+        return out.constant(out.narrowed[source][index], "out")
+    if node.op == "call_function" and node.target is operator.getitem and type(node.args[1]) is int:
+        out.lines.append(f"{var} = {out.expr(node.args[0])}[{node.args[1]}]")
     elif node.op == "call_function":
-        args = ", ".join([out.expr(a, values) for a in node.args]
-                         + [f"{k}={out.expr(v, values)}" for k, v in node.kwargs.items()])
-        out.lines.append(f"{var} = {out.constant(node.target, 'fn')}({args})")
-    elif node.op == "output":
-        out.lines.append(f"return {out.expr(node.args[0], values)}")
-        return ""
+        out.lines.append(f"{var} = {out.constant(node.target, 'fn')}({out.call_args(node.args, node.kwargs)})")
+    elif node.op == "call_method":
+        if not (node.target.isidentifier() and not keyword.iskeyword(node.target)):
+            raise ValueError(f"expected a method name, got {node.target!r} at {node.format_node()}")
+        receiver, *args = node.args
+        out.lines.append(f"{var} = {out.expr(receiver)}.{node.target}({out.call_args(args, node.kwargs)})")
     else:
-        raise AssertionError(f"unexpected stitch node {node.format_node()}")
+        raise ValueError(f"expected a stitch node, got {node.format_node()}")
     return var
 
 
-def _captured(call: Callable, size: int):
-    """The graph a call replays at `size` (a `CapturedGraph`), None for an eager call, or
-    _NOT_CAPTURED for a graph piece with no graph of that size yet."""
+def _is_node_in(arg, nodes: dict) -> bool:
+    return isinstance(arg, torch.fx.Node) and arg in nodes
+
+
+def _write_module_call(out: _Writer, node: torch.fx.Node, var: str) -> str:
+    """A piece: a graph piece replays its graph (its outputs are constants, views of the
+    graph's output buffers); an eager piece is called with its arguments."""
+    call = out.calls[node.target]
+    graph = _captured(call, out.size)
+    if graph is None:
+        out.lines.append(f"{var} = {out.constant(call, 'call')}({out.call_args(node.args, node.kwargs)})")
+        return var
+    if node.kwargs:
+        raise ValueError(f"expected a graph piece called with positional arguments, got {node.format_node()}")
+    _write_replay(out, node, graph)
+    out.graph_outputs[node] = graph.outputs
+    with torch.inference_mode(False):  # views usable in and outside inference mode
+        out.narrowed[node] = tuple(narrow(o, d, out.n) for o, d in zip(graph.outputs, graph.output_dims))
+    return out.constant(out.narrowed[node], "out")
+
+
+def _captured(call: Callable, size: int) -> CapturedGraph | None:
+    """The graph a call replays at `size`, or None for an eager call; raises NotCaptured
+    for a graph piece with no graph of that size yet."""
     runner = getattr(call, "__self__", None)
     captured = getattr(runner, "captured_graph", None)
     if captured is None:
         return None
     graph = captured(size)
-    return _NOT_CAPTURED if graph is None else graph
+    if graph is None:
+        raise NotCaptured(size)
+    return graph
 
 
-def _write_replay(out: _Writer, node: torch.fx.Node, graph: CapturedGraph, values: dict,
-                  graph_outputs: dict, n: int, size: int) -> None:
+def _write_replay(out: _Writer, node: torch.fx.Node, graph: CapturedGraph) -> None:
     """Fill the graph's buffers from its arguments, then launch it."""
+    n, size = out.n, out.size
     for i, static in graph.inputs:
         arg = node.args[i]
-        source = graph_outputs.get(arg)
+        source = out.graph_outputs.get(arg) if isinstance(arg, torch.fx.Node) else None
         if isinstance(source, torch.Tensor) and static.reads_in_place(source):
             continue  # another graph's output, already where this graph reads it
-        x = out.expr(arg, values)
+        x = out.expr(arg)
         if not static.repeated and (n == size or not static.dims):  # what copy_in comes down to
             fill = f"{out.constant(static.buffer.copy_, 'copy')}({x})"
         else:
             fill = (f"{out.constant(copy_in, 'copy_in')}({out.constant(static.buffer, 'buf')}, {x}, "
-                    f"{static.dims!r}, {n}, {size}, {static.repeated!r})")
-        out.lines.append(f"if {x}.data_ptr() != {static.address} or {x}.stride() != {static.stride!r}: {fill}")
+                    f"{out.expr(static.dims)}, {n}, {size}, {out.expr(static.repeated)})")
+        check = f"{x}.data_ptr() != {out.expr(static.address)} or {x}.stride() != {out.expr(static.stride)}"
+        out.lines.append(f"if {check}: {fill}")
     out.lines.append(f"{out.constant(graph.replay, 'replay')}()")
 
 
@@ -196,7 +245,7 @@ def _fetch_attr(module: torch.nn.Module, target: str):
     return module
 
 
-def _compile(out: _Writer, stitch: torch.fx.GraphModule, n: int, size: int) -> Callable:
+def _compile(out: _Writer, n: int, size: int) -> Callable:
     source = "def replay(args):\n" + "".join(f"    {line}\n" for line in out.lines)
     namespace = dict(out.constants)
     exec(compile(source, f"<cgcompile replay plan n={n} size={size}>", "exec"), namespace)
@@ -210,27 +259,56 @@ class ReplayPlans:
     graph piece captured at that size, and all dropped when the session's graphs change
     (`CaptureSession.graphs_changed`).
 
+    A plan is a fast path, never a requirement: where one cannot be made (an argument it
+    cannot write, a node it does not know), the calls of that (n, size) run the stitch
+    from then on, after one warning for the graph.
+
     calls: the runtime's per-piece callables by submodule name, read when a plan is made
     (a recovery replaces entries, and says so through `graphs_changed`).
+    name: the graph's, for the log ("graph<k>").
     """
 
-    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], session):
+    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], session, name: str = "graph"):
         self.stitch = stitch
         self.calls = calls
         self.session = session
+        self.name = name
         self.made = 0  # plans made over the runtime's life (a plan per size, again after a change)
         self._plans: dict[tuple[int, int], Callable | None] = {}
+        self._failed: set[tuple[int, int]] = set()  # kept over `clear`: the stitch they failed on stays
         session.add_plans(self)
 
     def clear(self) -> None:
         self._plans.clear()
 
     def get(self, n: int, size: int) -> Callable | None:
-        """The plan for a call of n rows at `size`; None: run the stitch (it captures)."""
+        """The plan for a call of n rows at `size`; None: run the stitch (it captures, or no
+        plan can be made)."""
         plan = self._plans.get((n, size), _UNMADE)  # every call: one lookup
         if plan is _UNMADE:
-            plan = self._plans[(n, size)] = build_plan(self.stitch, self.calls, n, size)
-            self.made += plan is not None
-            if plan is not None:
-                log.debug("cgcompile: replay plan for n=%d at size %d:\n%s", n, size, plan.source)
+            plan = self._plans[(n, size)] = self._make(n, size)
         return plan
+
+    def _make(self, n: int, size: int) -> Callable | None:
+        if (n, size) in self._failed:
+            return None
+        try:
+            plan = build_plan(self.stitch, self.calls, n, size)
+        except NotCaptured:
+            return None
+        except Exception as e:  # a fast path that fails to build must not fail the call
+            self._fall_back(n, size, e)
+            return None
+        self.made += 1
+        log.debug("cgcompile: replay plan for %s, n=%d at size %d:\n%s", self.name, n, size, plan.source)
+        return plan
+
+    def _fall_back(self, n: int, size: int, error: Exception) -> None:
+        """Warn once per graph; other sizes that fail after it log at debug level."""
+        level = logging.DEBUG if self._failed else logging.WARNING
+        self._failed.add((n, size))
+        log.log(level, "cgcompile: no replay plan for %s at n=%d, size %d (%s: %s); its calls of that size "
+                "run the stitch instead", self.name, n, size, type(error).__name__, error)
+
+
+_UNMADE = object()

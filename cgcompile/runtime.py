@@ -181,7 +181,8 @@ class GraphRuntime:
         # Replays through straight-line plans, except where each replay checks addresses
         # (Config.check_addresses: the graph pieces' own replay does that).
         self.plans = None if session is None or session.check_addresses or not any(
-            hasattr(r, "captured_graph") for r in runners) else ReplayPlans(stitch, vars(self._namespace), session)
+            hasattr(r, "captured_graph") for r in runners) else ReplayPlans(
+                stitch, vars(self._namespace), session, runners[0].piece_name.rsplit(".", 1)[0])
         if recovery is not None:
             recovery.arm(self)
 

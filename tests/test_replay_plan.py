@@ -5,6 +5,10 @@ the piece from its static input buffers into its static outputs, so a plan that 
 buffer unfilled returns stale results, as a real graph would. The GPU runs them in the
 cuda tests, the zoo and the fuzzer (benchmarks/gpu_verify.sh)."""
 
+import enum
+import logging
+import math
+import operator
 import re
 
 import helpers
@@ -12,7 +16,8 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.replay_plan import ReplayPlans
+from cgcompile import replay_plan
+from cgcompile.replay_plan import ReplayPlans, build_plan
 from cgcompile.testing import fuzz
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
@@ -169,3 +174,152 @@ def test_a_split_op_that_writes_into_a_graph_output_needs_no_copy(monkeypatch):
     plan = runtime.plans.get(3, 4)
     assert plan is not None and plan.source.count("replay") == 3 + 1 + 1  # 4 graph pieces + the name
     assert plan.source.count(".copy_") + plan.source.count("copy_in") == 1  # the ids alone
+
+
+# -- plans of any stitch: graphs that return nothing, every kind of argument, fallback -----
+
+
+def _accumulate_into(x, acc):  # x, acc: [n, 8]; returns nothing: its one effect is the write into acc
+    h = torch.sin(x) * 2.0  # a graph piece
+    torch.ops.cgcompile_testing.silly_accumulate(acc, h)  # an eager piece writes into the input
+
+
+def test_a_graph_that_returns_nothing_replays_from_a_plan_on_later_calls(monkeypatch):
+    from cgcompile.testing.models import ACCUMULATE_OP
+
+    helpers.fake_cuda_graphs(monkeypatch)
+    torch._dynamo.reset()
+    config = cgcompile.Config(splitting_ops=(ACCUMULATE_OP,), compiler="eager", capture_sizes=(1, 2, 4, 8))
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(_accumulate_into, backend=backend)
+    for seed in range(4):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed))
+        acc, want = torch.ones(3, 8), torch.ones(3, 8)
+        for t in (x, acc):
+            torch._dynamo.mark_dynamic(t, 0)
+        assert compiled(x, acc) is _accumulate_into(x, want) is None
+        torch.testing.assert_close(acc, want, **CLOSE)
+    runtime = next(rt for rt in backend.runtimes if rt.plans is not None)
+    assert runtime.plans.made == 1 and runtime.plans.get(3, 4).source.rstrip().endswith("return ()")
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+def _echo(x, value):
+    """What a call_function node received, to compare the plan's with the stitch's."""
+    return x, value
+
+
+def _stitch_passing(value) -> torch.fx.GraphModule:
+    """A stitch that hands `value` (a node made from x where it is a callable) to a call."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    rows = graph.call_function(len, (x,))
+    arg = value(rows) if callable(value) else value
+    graph.output(graph.call_function(_echo, (x, arg)))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and math.isnan(a):
+        return type(a) is type(b) and math.isnan(b)
+    if isinstance(a, (tuple, list)):  # FX holds a list as its immutable_list
+        return isinstance(b, list) == isinstance(a, list) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
+
+
+def _numpy_scalar():
+    numpy = pytest.importorskip("numpy")
+    return numpy.float64(1.5)  # a float subclass whose repr is `np.float64(1.5)`
+
+
+LITERALS = {
+    "int_enum": lambda: Colour.RED,
+    "empty_size": lambda: torch.Size([]),
+    "inf": lambda: -math.inf,
+    "nan": lambda: math.nan,
+    "numpy_scalar": _numpy_scalar,
+    "empty_tuple": lambda: (),
+    "nested_containers": lambda: [(), [1, ("a", None)], {"k": (2.5,)}],
+    "dtype_and_device_keys": lambda: {torch.float32: torch.device("cpu"), 3: "three"},
+    "slice_of_a_node": lambda: lambda rows: slice(None, rows, 2),
+}
+
+
+@pytest.mark.parametrize("kind", LITERALS)
+def test_every_kind_of_argument_round_trips_through_a_plan(kind):
+    """The call receives what the graph holds. (Not compared with the stitch's own run:
+    FX's generated code writes a numpy scalar as `np.float64(1.5)` and fails too.)"""
+    stitch = _stitch_passing(LITERALS[kind]())
+    held = next(node for node in stitch.graph.nodes if node.target is _echo).args[1]  # torch.Size: a tuple
+    x = torch.randn(5, 4)
+    got = build_plan(stitch, {}, 5, 8)((x,))
+    assert got[0] is x and _same(got[1], torch.fx.node.map_arg(held, lambda rows: 5)), (got[1], held)
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x, scale=1.0):
+        return x * scale
+
+
+def test_call_method_and_call_module_keywords_reach_the_call():
+    root = torch.nn.Module()
+    root.piece = _Scaled()
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    added = graph.call_method("add", (x, 1.0), {"alpha": 2.0})
+    scaled = graph.call_module("piece", (added,), {"scale": 3.0})
+    graph.output((graph.call_function(operator.getitem, (scaled, slice(None, 2))),))
+    stitch = torch.fx.GraphModule(root, graph)
+    x = torch.randn(5, 4)
+    plan = build_plan(stitch, {"piece": root.piece.forward}, 5, 8)
+    torch.testing.assert_close(plan((x,)), stitch(x))
+    torch.testing.assert_close(plan((x,))[0], ((x + 2.0) * 3.0)[:2])
+
+
+def test_a_plan_that_cannot_be_made_warns_once_and_the_stitch_runs(monkeypatch, caplog):
+    helpers.fake_cuda_graphs(monkeypatch)
+    tries = []
+
+    def broken(*args):
+        tries.append(args[0].n)
+        raise RuntimeError("cannot write this")
+
+    monkeypatch.setattr(replay_plan, "_write_replay", broken)
+    model, backend, compiled = _toy()
+    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="cgcompile.replay_plan"):
+        for seed, n in enumerate((3, 3, 3, 5, 5, 3, 5)):
+            torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), **CLOSE)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "graph0" in warnings[0].getMessage() and "cannot write this" in warnings[0].getMessage()
+    assert sorted(tries) == [3, 5]  # once per (n, size): the failure is kept, not retried every call
+    assert sum(rt.plans.made for rt in backend.runtimes if rt.plans is not None) == 0
+    assert helpers.FakeGraph.replays > 0  # the stitch replays the graphs itself
+
+
+def test_fuzzed_programs_that_only_write_into_an_input_match_eager_through_plans(monkeypatch):
+    """The grammar's programs that return nothing, or whose effect is a write into an
+    input (the "sink" productions), walked twice: the second pass replays through plans."""
+    helpers.fake_cuda_graphs(monkeypatch)
+    served = []
+    get = ReplayPlans.get
+
+    def counted(self, n, size):
+        plan = get(self, n, size)
+        served[-1] += plan is not None
+        return plan
+
+    monkeypatch.setattr(ReplayPlans, "get", counted)
+    setup = fuzz.Setup("eager", "cpu", padding=True)
+    seeds = [s for s in range(200) if fuzz.generate(s).returns != "outputs"][:8]
+    for seed in seeds:
+        served.append(0)
+        program, sizes = setup.case(seed)
+        outcome = fuzz.run_case(program, sizes + sizes, setup)
+        assert outcome.status == "ok", (outcome, fuzz.reproducer(program, sizes + sizes, setup))
+    assert len(seeds) == 8 and sum(count > 0 for count in served) >= 6, served
