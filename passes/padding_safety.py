@@ -17,10 +17,24 @@ scalar argument derived from it) is safe when all of these hold:
     arange(s0) or [:s0] of positions, which give row i the value i at any size), never
     as a value (x + x.shape[0], x / s0);
   - the op is known to keep rows apart where the dimension sits: pointwise ops (torch's
-    `pointwise` tag), views and reshapes that keep the rows' order, reductions and
-    contractions (the two rules above already caught those over the dimension),
-    norms, scans, sorts and softmax along other dims, per-sample ops (convolutions,
-    pooling) with the dimension as the batch, gathers that index other dims.
+    `pointwise` tag) whose operands broadcast elementwise along it, views and reshapes
+    that keep the rows' order, reductions and contractions (the two rules above already
+    caught those over the dimension), norms, scans, sorts and softmax along other dims,
+    per-sample ops (convolutions, pooling) with the dimension as the batch, gathers that
+    index other dims;
+  - or else, the op is one of torch's own and its decomposition into core ATen ops
+    (`aten_trace`, on the node's fake values) passes these rules node by node. That is
+    how ops without the tag are proven: hardswish is add, clamp, mul, div; prelu a view
+    of its weight over the channels and a where. Rows kept apart by every step are kept
+    apart by the whole. A write into an argument is proven only when it goes into the
+    argument itself (hardswish(x, inplace=True)), which the rule for writes then checks.
+
+Random ops (`nondeterministic_seeded`: rand_like, bernoulli, dropout and rrelu in
+training) are unsafe, although each draws per element: the values a real row draws
+depend on the padded size (the generator's offset advances by the padded element
+count, and an element's draw by its position among them), so a padded call draws
+other numbers for its real rows than an unpadded one, and the generator is left
+elsewhere for every later op.
 
 Anything else that touches the dimension, custom ops included, is unsafe: the pass
 cannot see inside it. Sums over the dimension are unsafe too even though zero rows add
@@ -38,9 +52,10 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
+from .aten_trace import AtenTrace, trace_to_aten
 from .attention_mask import additive_attention_mask
-from .graph_values import example_value, tensors_in
-from .mutation import mutated_base
+from .graph_values import example_value, storage_of, tensors_in
+from .mutation import mutated_base, view_base, written_args
 from .split_rule import is_floating
 
 
@@ -88,7 +103,9 @@ def find_state_hazards(inputs: list[Node], symbol: sympy.Symbol | None,
 # -- the rule ----------------------------------------------------------------------------
 
 
-def _hazard(node: Node, symbol: sympy.Symbol) -> str | None:
+def _hazard(node: Node, symbol: sympy.Symbol, decompose: bool = True) -> str | None:
+    """Why padding could change a result at `node`, or None. decompose: whether an op
+    the rules do not know is traced to ATen and judged by its parts (not for those parts)."""
     inputs = [t for a in _tensor_args(node) for t in tensors_in(example_value(a))]
     outputs = tensors_in(example_value(node))
     if not inputs and not outputs:
@@ -102,7 +119,7 @@ def _hazard(node: Node, symbol: sympy.Symbol) -> str | None:
         or _write_through_view_rule(op, node, symbol)
         or _reduction_rule(op, inputs, outputs, symbol)
         or _scalar_rule(op, node, scalars)
-        or _op_rule(op, node, symbol)
+        or _op_rule(op, node, symbol, decompose)
     )
 
 
@@ -124,9 +141,13 @@ def _layout_rule(op: str, inputs, outputs, symbol) -> str | None:
 
 
 def _write_through_view_rule(op: str, node: Node, symbol) -> str | None:
+    target, base = mutated_base(node)
+    return _view_write_rule(op, target, base, symbol)
+
+
+def _view_write_rule(op: str, target, base: Node | None, symbol) -> str | None:
     # cache[:n].copy_(v): the view has the capture dimension, the buffer under it does
     # not, and a padded graph would write its padding rows into the buffer's rows n..
-    target, base = mutated_base(node)
     if base is None or base is target:
         return None
     if capture_dims(example_value(target), symbol) and not capture_dims(example_value(base), symbol):
@@ -157,9 +178,11 @@ def _scalar_rule(op: str, node: Node, scalars: list[tuple[Any, Any]]) -> str | N
     return None
 
 
-def _op_rule(op: str, node: Node, symbol) -> str | None:
-    if op in _ROW_WISE or _is_pointwise(node, op) or _unpacks_tuple(node, op):
+def _op_rule(op: str, node: Node, symbol, decompose: bool) -> str | None:
+    if op in _ROW_WISE or _unpacks_tuple(node, op) or _is_inactive_dropout(op, node):
         return None
+    if _is_pointwise(node, op):
+        return _broadcast_rule(op, node, symbol)
     if node.target is additive_attention_mask:  # the mask rewrite's own function: elementwise
         return None
     if op in _RESHAPES:
@@ -172,10 +195,69 @@ def _op_rule(op: str, node: Node, symbol) -> str | None:
         return _per_sample_rule(op, node, symbol)
     if op in _INDEXING:
         return _indexing_rule(op, node, symbol)
-    return f"{op} is not known to keep rows apart along the capture dimension; padding it is unproven"
+    return _decomposition_rule(op, node, symbol, decompose)
 
 
 # -- per kind of op ------------------------------------------------------------------------
+
+
+def _broadcast_rule(op: str, node: Node, symbol) -> str | None:
+    # Broadcasting aligns dims from the right: an operand's row dim must land on the
+    # output's, so that output row i reads row i of each operand (and one row, or none,
+    # of an operand without the dimension).
+    outputs = tensors_in(example_value(node))
+    if not outputs:
+        return None
+    out_dims = capture_dims(outputs[0], symbol) or ()
+    for t in (t for a in _tensor_args(node) for t in tensors_in(example_value(a))):
+        for d in capture_dims(t, symbol) or ():
+            if d + outputs[0].dim() - t.dim() not in out_dims:
+                return (f"{op} broadcasts {_shape(t)} to {_shape(outputs[0])} with the capture dimension in "
+                        f"another place: rows meet other rows")
+    return None
+
+
+def _decomposition_rule(op: str, node: Node, symbol, decompose: bool) -> str | None:
+    unknown = f"{op} is not known to keep rows apart along the capture dimension; padding it is unproven"
+    if _draws_random(node):
+        return (f"{op} draws random numbers: a padded call draws other numbers for the real rows (the "
+                f"generator advances by the padded element count)")
+    if not decompose:
+        return unknown
+    trace = trace_to_aten(node)
+    if isinstance(trace, str):
+        return f"{unknown} ({trace})"
+    for inner in trace.gm.graph.nodes:
+        if inner.op == "call_function" and not is_floating(inner):
+            detail = _hazard(inner, symbol, decompose=False) or _argument_write_rule(op, inner, trace, symbol)
+            if detail is not None:
+                return f"{op} decomposes into {inner.target}, and {detail}"
+    return None
+
+
+def _argument_write_rule(op: str, inner: Node, trace: AtenTrace, symbol) -> str | None:
+    """A write of a decomposed op into memory of the call's arguments: proven only into an
+    argument itself (a view of it may run along rows, which the trace does not show)."""
+    placeholders = [n for n in trace.gm.graph.nodes if n.op == "placeholder"]
+    sources = {storage_of(example_value(p)): (p, s) for p, s in zip(placeholders, trace.sources)}
+    for target in written_args(inner):
+        placeholder, source = sources.get(storage_of(example_value(target)), (None, None))
+        if source is None:
+            continue  # memory the op allocated itself
+        if target is not placeholder:
+            return f"it writes into part of its argument {source.name}"
+        if hazard := _view_write_rule(op, source, view_base(source), symbol):
+            return hazard
+    return None
+
+
+def _is_inactive_dropout(op: str, node: Node) -> bool:
+    """Dropout with training=False (every module in eval mode): the identity."""
+    return op == "dropout" and _arg(node, 2, "training" if "training" in node.kwargs else "train") is False
+
+
+def _draws_random(node: Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
 
 
 def _reshape_rule(op: str, node: Node, symbol) -> str | None:
@@ -463,15 +545,22 @@ def _aten_pointwise(name: str) -> bool:
     packet = getattr(torch.ops.aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False
-    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+    return _packet_pointwise(packet)
+
+
+def _packet_pointwise(packet: torch._ops.OpOverloadPacket) -> bool:
+    # By name the overload is unknown: pointwise when one overload is and none draws
+    # random numbers (rrelu is both; its decomposition tells training from eval).
+    tags = [getattr(packet, o).tags for o in packet.overloads()]
+    return any(torch.Tag.pointwise in t for t in tags) and not any(torch.Tag.nondeterministic_seeded in t for t in tags)
 
 
 def _is_pointwise(node: Node, op: str) -> bool:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and "::" in op:
-        return torch.Tag.pointwise in target.tags
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags
     if isinstance(target, torch._ops.OpOverloadPacket) and "::" in op:
-        return any(torch.Tag.pointwise in getattr(target, o).tags for o in target.overloads())
+        return _packet_pointwise(target)
     return "::" not in op and _aten_pointwise(op)
 
 
@@ -482,7 +571,7 @@ _OPERATOR_NAMES = {
     "floordiv": "floor_divide", "ifloordiv": "floor_divide", "mod": "remainder", "imod": "remainder",
     "and_": "bitwise_and", "or_": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
     "iand": "bitwise_and", "ior": "bitwise_or", "ixor": "bitwise_xor", "ipow": "pow", "pos": "positive",
-    "imatmul": "matmul", "__getitem__": "getitem", "__setitem__": "setitem",
+    "imatmul": "matmul", "__getitem__": "getitem", "__setitem__": "setitem", "sym_size": "size",
 }
 
 # Row-wise beyond what the layout and reduction rules check: conversions, copies, views
@@ -491,7 +580,7 @@ _OPERATOR_NAMES = {
 # metadata-only constructors.
 _ROW_WISE = frozenset({
     "to", "float", "half", "bfloat16", "double", "int", "long", "bool", "type", "type_as",
-    "contiguous", "clone", "detach", "copy", "fill", "zero", "dropout", "floor_divide",
+    "contiguous", "clone", "detach", "copy", "fill", "zero", "floor_divide",
     "alias", "lift_fresh_copy", "masked_fill", "where", "positive", "getattr",
     "transpose", "swapaxes", "permute", "t", "unsqueeze", "squeeze", "expand", "expand_as",
     "broadcast_to", "movedim", "split", "chunk", "tensor_split", "cat", "concat", "stack",

@@ -260,3 +260,90 @@ def test_a_target_that_is_no_op_gets_a_reason(target):
     torch.compile(lambda x: torch.sin(x) * 2, backend=backend, fullgraph=True)(x)
     name = target.__name__
     assert any(h.startswith(f"sin: {name} is not known to keep rows apart") for h in found["hazards"]), found
+
+
+# -- ops proven by their schema: pointwise tags, or a decomposition into tagged ops -------
+
+PRELU_CHANNELS = torch.nn.PReLU(4)
+with torch.no_grad():
+    PRELU_CHANNELS.weight.copy_(torch.tensor([0.1, -0.5, 2.0, 0.3]))
+
+# name -> (function of x: [n, 4, 3]); hardswish and prelu carry no pointwise tag, silu
+# does, and special_erfcx is in none of the pass's tables: only its tag proves it.
+ELEMENTWISE = {
+    "hardswish": lambda x: F.hardswish(x),
+    "hardswish_in_place": lambda x: torch.nn.Hardswish(inplace=True)(x * 2),
+    "prelu_channels": lambda x: PRELU_CHANNELS(x),  # weight [4] over dim 1
+    "prelu_one": lambda x: F.prelu(x, torch.tensor([0.25])),
+    "silu": lambda x: F.silu(x),
+    "erfcx_by_tag": lambda x: torch.special.erfcx(x),
+    "dropout_eval": lambda x: F.dropout(x, 0.5, training=False),
+}
+
+
+def _hazards_of(fn, shape) -> list[str]:
+    found = {}
+
+    def backend(gm, example_inputs):
+        dim = find_capture_dim(gm, frozenset())
+        found["hazards"] = [str(h) for h in find_padding_hazards(gm, dim.symbol).values()]
+        return gm.forward
+
+    x = torch.randn(*shape)
+    torch._dynamo.mark_dynamic(x, 0)
+    torch.compile(fn, backend=backend, fullgraph=True)(x)
+    return found["hazards"]
+
+
+def test_erfcx_is_proven_by_its_tag_alone():
+    assert torch.Tag.pointwise in torch.ops.aten.special_erfcx.default.tags
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_elementwise_ops_keep_rows_apart(name):
+    assert _hazards_of(ELEMENTWISE[name], (5, 4, 3)) == []
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_padded_rows_of_elementwise_ops_equal_unpadded(name):
+    # Differential, with real numbers: garbage padding rows leave the real rows as they were.
+    fn, x = ELEMENTWISE[name], torch.randn(3, 4, 3)
+    padded = torch.cat([x, 100 * torch.randn(5, 4, 3)])
+    torch.testing.assert_close(fn(padded)[:3], fn(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["hardswish", "prelu_channels", "silu", "erfcx_by_tag"])
+def test_elementwise_graphs_run_padded_and_equal_eager(name):
+    op = ELEMENTWISE[name]
+
+    def fn(x):
+        return op(_split(x.reshape(x.shape[0], 12)).reshape(x.shape[0], 4, 3) - 0.5)
+
+    compiled, backend = _compile(fn)
+    for n in (3, 5):
+        x = torch.randn(n, 4, 3)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), fn(x))
+        assert backend.runtimes[-1].step.size == {3: 4, 5: 8}[n]
+    assert all(p.padding_unsafe is None for p in backend.pieces)
+
+
+# name -> (function of x: [n, 4, 3], what the hazard says)
+NOT_ELEMENTWISE = {
+    "softmin_rows": (lambda x: F.softmin(x, 0), "softmin decomposes into aten._softmax.default, and _softmax mixes rows"),
+    "rand_like": (lambda x: x + torch.rand_like(x), "rand_like draws random numbers"),
+    "dropout_training": (lambda x: F.dropout(x, 0.5, training=True), "dropout decomposes into"),
+    "rrelu_training": (lambda x: F.rrelu(x, training=True), "draws random numbers"),
+    "local_response_norm_rows": (lambda x: F.local_response_norm(x.transpose(0, 1), 2), "local_response_norm decomposes"),
+}
+
+
+@pytest.mark.parametrize("name", NOT_ELEMENTWISE)
+def test_ops_that_mix_rows_or_draw_randoms_are_refused(name):
+    fn, expected = NOT_ELEMENTWISE[name]
+    hazards = _hazards_of(fn, (5, 4, 3))
+    assert any(expected in h and h.endswith("[padding_unsafe]") for h in hazards), hazards
+
+
+def test_softmin_along_other_dims_is_proven():
+    assert _hazards_of(lambda x: F.softmin(x, 1), (5, 4, 3)) == []
