@@ -1,0 +1,95 @@
+"""Where a tensor-parallel decode step's GPU time goes: kernels by total time, per rank.
+
+    torchrun --nproc-per-node 2 benchmarks/tp_profile.py [--model 8b] [--batch 1] [--variant full-sq]
+
+Builds `TensorParallelDecoder` as `distributed_bench.py` does, compiles it with the
+variant's Config, warms it up, then runs `--steps` decode steps under torch.profiler.
+Each rank prints its step time (CUDA events), the sum of kernel time per step, the
+largest kernels by total time with their count per step, and the all-reduce decisions
+(`all_reduce_report`). Kernel time far below the step time means the step waits on the
+host or on the other rank; an all-reduce kernel that takes long is mostly waiting for
+the slower rank to arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from benchmarks import distributed_bench as bench  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker  # noqa: E402
+from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
+from cgcompile.testing.decode_model import use_length_independent_attention_kernels  # noqa: E402
+from cgcompile.testing.parallel_model import TensorParallelDecoder  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="8b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--variant", default="full-sq", choices=["piecewise", "full", "full-sq"])
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=12)
+    return p.parse_args()
+
+
+def compiled_step(model, device, variant):
+    if variant == "piecewise":
+        return torch.compile(model, backend=bench.make_backend(device)), False
+    backend = bench.make_backend(device, full=True, small_query=variant == "full-sq")
+    return torch.compile(model, backend=backend, dynamic=False), True
+
+
+def kernel_table(prof, steps: int, top: int) -> list[str]:
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in kernels) / steps
+    lines = [f"kernel time per step {total / 1e3:.3f} ms over {sum(e.count for e in kernels) / steps:.0f} kernels"]
+    for e in kernels[:top]:
+        lines.append(f"  {e.device_time_total / steps / 1e3:7.3f} ms  x{e.count / steps:5.1f}  {e.key[:90]}")
+    return lines
+
+
+def main():
+    args = parse_args()
+    bench.ALL_REDUCE = args.all_reduce
+    with torchrun_worker("cuda") as device, torch.inference_mode():
+        use_length_independent_attention_kernels()
+        llama = bench.build_llama(bench.CONFIGS[args.model], device, torch.bfloat16)
+        model = TensorParallelDecoder(llama)
+        del llama
+        prepare_collectives(device, all_reduce=args.all_reduce)
+        step, device_position = compiled_step(model, device, args.variant)
+        ids = torch.arange(args.batch, device=device) % 100
+        starts = [bench.FILL + k for k in range(64)]
+        if device_position:
+            starts = [torch.tensor([s], device=device) for s in starts]
+        ms = harness.time_steps(lambda k: step(ids, starts[k]), 20, 5, device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for k in range(args.steps):
+                step(ids, starts[20 + k])
+            torch.cuda.synchronize()
+        lines = [f"rank {dist.get_rank()} {args.model} batch {args.batch} {args.variant} "
+                 f"all_reduce={args.all_reduce}: step {statistics.median(ms):.3f} ms"]
+        lines += kernel_table(prof, args.steps, args.top)
+        if dist.get_rank() == 0:
+            lines += all_reduce_report().lines()[:6]
+        for rank in range(dist.get_world_size()):
+            dist.barrier()
+            if rank == dist.get_rank():
+                print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()
