@@ -50,7 +50,8 @@ class SplitGraph:
     """`stitch` calls the pieces (its submodules, named by `PieceSpec.name`) in order.
 
     Every size symbol in a piece's code is carried by one of its inputs as such: a SymInt
-    input that is the symbol, or a tensor input with a dimension of exactly that size.
+    input made as the symbol (not one that reads as it after a replacement), or a tensor
+    input with a dimension of exactly that size.
     """
 
     stitch: GraphModule
@@ -211,10 +212,22 @@ def _carried_symbols(nodes) -> set[sympy.Symbol]:
     carried = set()
     for node in nodes:
         value = example_value(node)
-        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
-        carried |= {s.node.expr for s in sizes
-                    if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)}
+        if isinstance(value, torch.SymInt):
+            carried.add(_bound_by_symint(value))
+        elif isinstance(value, torch.Tensor):
+            carried |= {s.node.expr for s in value.shape
+                        if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)}
     return carried
+
+
+def _bound_by_symint(value: torch.SymInt) -> sympy.Expr:
+    """The symbol Inductor binds from a SymInt input: the one it was made as, not what
+    the ShapeEnv now replaces that with. Dynamo makes one SymInt per input's size; when
+    two inputs must be equal (ids and mask [s72, L] and [s43, L]) it replaces s72 by s43,
+    and the SymInt of s72 reads as s43 but still binds s72 (`_get_placeholder_expr`)."""
+    from torch.fx.experimental.symbolic_shapes import _get_placeholder_expr
+
+    return _get_placeholder_expr(value.node) if value.node.shape_env is not None else value.node.expr
 
 
 class _SymbolSources:
@@ -235,7 +248,7 @@ class _SymbolSources:
     def _symint(self, symbol) -> Node | None:
         for node in self.handable:
             value = example_value(node)
-            if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+            if isinstance(value, torch.SymInt) and _bound_by_symint(value) == symbol:
                 return node
         return None
 
@@ -254,12 +267,22 @@ class _SymbolSources:
         anchor = tensor if tensor.op != "placeholder" else self._last_placeholder()
         with self.gm.graph.inserting_after(anchor):
             node = self.gm.graph.call_function(torch.ops.aten.sym_size.int, (tensor, dim))
-        node.meta["example_value" if "example_value" in tensor.meta else "val"] = size
+        node.meta["example_value" if "example_value" in tensor.meta else "val"] = _as_made(size)
         self.added.add(node)
         return node
 
     def _last_placeholder(self) -> Node:
         return [n for n in self.gm.graph.nodes if n.op == "placeholder"][-1]
+
+
+def _as_made(size: torch.SymInt) -> torch.SymInt:
+    """`size` as a SymInt that binds the symbol it reads as (see `_bound_by_symint`): a
+    tensor's dim made as s72 reads s43 once s72 is replaced, and a piece handed it as a
+    SymInt input must bind s43."""
+    symbol, env = size.node.expr, size.node.shape_env
+    if env is None or _bound_by_symint(size) == symbol:
+        return size
+    return env.create_symintnode(symbol, hint=size.node.hint)
 
 
 # -- phase 3 ---------------------------------------------------------------------------

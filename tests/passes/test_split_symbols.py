@@ -195,3 +195,53 @@ def test_an_unbacked_size_is_handed_from_the_piece_that_binds_it():
     assert [p.capturable for p in backend.pieces][-3:] == [True, False, True]
     assert all(_unbound_symbols(p.graph) == set() for p in backend.pieces)
     assert _needed_a_size_input(backend.pieces[-2].graph)
+
+
+# -- a symbol that Dynamo replaced by another ---------------------------------------------------
+
+
+def _two_sized_inputs(x, m):
+    # x and m: [n, 8] from two sources; Dynamo makes a symbol for each and, since they
+    # must be equal, replaces one by the other. The piece after the split sees only 4*s.
+    y = silly(*(((x * m).cos().repeat_interleave(4, 0)),) * 3)
+    return (y + 1).sin()
+
+
+@pytest.mark.parametrize("order", ["x_first", "m_first"])
+def test_a_replaced_symbol_is_handed_as_the_symbol_it_binds(order):
+    # The SymInt Dynamo made for the replaced symbol reads as the other one but binds its
+    # own in Inductor ("For 4*s43, expected [s43] to have been codegen-ed": DeBERTa-v2's
+    # input_ids and attention_mask on the GPU split).
+    fn = _two_sized_inputs if order == "x_first" else (lambda m, x: _two_sized_inputs(x, m))
+    backend = cgcompile.Backend(cgcompile.Config(compiler="inductor", splitting_ops=[SILLY_OP]))
+    compiled = torch.compile(fn, backend=backend)
+    for n in (3, 5):
+        x, m = _input(n, (8,)), _input(n, (8,))
+        torch.testing.assert_close(compiled(x, m), fn(x, m))
+    for piece in backend.pieces:
+        symints = [example_value(n) for n in piece.graph.graph.nodes
+                   if n.op == "placeholder" and isinstance(example_value(n), torch.SymInt)]
+        bound = {s.node._expr for s in symints} | _plain_symbols(
+            example_value(n) for n in piece.graph.graph.nodes if n.op == "placeholder"
+            and isinstance(example_value(n), torch.Tensor))
+        used = {s for n in piece.graph.graph.nodes for s in _symbols_in(example_value(n))}
+        assert used <= bound, (piece.name, piece.graph.code)
+
+
+@pytest.mark.cuda
+def test_deberta_v2_encoder_at_several_sizes_equals_eager():
+    # On the GPU, DeBERTa's relative positions (CPU tensors) split it finely; a piece
+    # then held only [4*s, 16, 16] and the SymInt of the symbol Dynamo had replaced.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(
+        vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+        relative_attention=True, position_buckets=16, max_relative_positions=64, pos_att_type=["p2c", "c2p"])
+    torch.manual_seed(0)
+    model = transformers.DebertaV2Model(config).cuda().eval()
+    compiled = torch.compile(model.forward, backend=cgcompile.Backend(cgcompile.Config()))
+    with torch.inference_mode():
+        for n in (1, 3, 8, 1):
+            ids = torch.randint(3, 512, (n, 16), device="cuda")
+            mask = (torch.arange(16) < 16 - torch.arange(n)[:, None] % 16).long().cuda()  # right-padded
+            got, expected = compiled(input_ids=ids, attention_mask=mask), model(input_ids=ids, attention_mask=mask)
+            torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state, rtol=1e-4, atol=1e-4)
