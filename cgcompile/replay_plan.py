@@ -275,7 +275,8 @@ class ReplayPlans:
         self.name = name
         self.made = 0  # plans made over the runtime's life (a plan per size, again after a change)
         self._plans: dict[tuple[int, int], Callable | None] = {}
-        self._failed: set[tuple[int, int]] = set()  # kept over `clear`: the stitch they failed on stays
+        # (n, size) -> why no plan could be made; kept over `clear`: the stitch it failed on stays
+        self.failures: dict[tuple[int, int], str] = {}
         session.add_plans(self)
 
     def clear(self) -> None:
@@ -290,7 +291,7 @@ class ReplayPlans:
         return plan
 
     def _make(self, n: int, size: int) -> Callable | None:
-        if (n, size) in self._failed:
+        if (n, size) in self.failures:
             return None
         try:
             plan = build_plan(self.stitch, self.calls, n, size)
@@ -305,8 +306,8 @@ class ReplayPlans:
 
     def _fall_back(self, n: int, size: int, error: Exception) -> None:
         """Warn once per graph; other sizes that fail after it log at debug level."""
-        level = logging.DEBUG if self._failed else logging.WARNING
-        self._failed.add((n, size))
+        level = logging.DEBUG if self.failures else logging.WARNING
+        self.failures[(n, size)] = f"{type(error).__name__}: {error}"
         log.log(level, "cgcompile: no replay plan for %s at n=%d, size %d (%s: %s); its calls of that size "
                 "run the stitch instead", self.name, n, size, type(error).__name__, error)
 

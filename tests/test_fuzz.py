@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 import cgcompile
 from cgcompile.testing import fuzz
 from cgcompile.compat import fresh_inductor_cache
-from cgcompile.testing.grammar import LAYOUTS, MODES, N, Program
+from cgcompile.testing.grammar import LAYOUTS, MODES, N, RETURNS, Program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +186,34 @@ def test_every_production_is_reachable():
     assert any(p.productions[-1] in splits for p in programs)  # ... and last
     assert any(a in splits and b in splits for p in programs for a, b in zip(p.productions, p.productions[1:]))
     inputs = {v.name for p in programs for v in p.used_inputs()}
-    assert inputs == {"x", "y", "ids"}
+    assert inputs == {"x", "y", "ids", "out"}
     assert {p.mode for p in programs} == set(MODES)
     assert {p.layout for p in programs} == set(LAYOUTS)
+    assert {p.returns for p in programs} == set(RETURNS)
+
+
+SINKS = {p.name for p in fuzz.PRODUCTIONS if p.family == "sink"}
+
+
+def test_sinks_end_programs_and_write_only_into_the_input_made_for_them():
+    programs = [fuzz.generate(seed) for seed in range(300)]
+    for p in programs:
+        sinks = [i for i, name in enumerate(p.productions) if name in SINKS]
+        assert sinks in ([], [len(p.steps) - 1]), p.productions  # one, last, or none
+        assert [v.name for v in p.written_inputs] == (["out"] if sinks else [])
+        assert p.returns == "outputs" or sinks
+    assert not any(SINKS & set(fuzz.generate(seed, stateful=True).productions) for seed in range(100))
+
+
+def test_a_lost_write_into_an_input_or_a_wrong_return_shows_as_a_mismatch():
+    program = next(p for p in map(fuzz.generate, range(100)) if p.returns == "nothing")
+    namespace = fuzz.load(program)
+    names = [v.name for v in program.written_inputs]
+    written = tuple(i for i, v in enumerate(program.used_inputs()) if v in program.written_inputs)
+    for stub, detail in ((lambda *inputs: None, "output out"), (lambda *inputs: (), "returned tuple")):
+        with torch.no_grad():
+            outcome = fuzz._run_size(namespace["make_inputs"], namespace["Model"](), stub, 5, "cpu", names, 0, written)
+        assert outcome.status == "mismatch" and detail in outcome.detail, outcome
 
 
 def test_sizes_cover_capture_sizes_between_and_above():
@@ -210,9 +235,13 @@ def test_programs_trace_as_one_graph_and_agree_with_eager_unpadded():
         assert outcome.graphs == 1 + (1 in sizes), seed
 
 
-@pytest.mark.parametrize("full_graph, path", [("off", "compiled"), ("pieces", "compiled"), ("off", "breakable")])
-def test_reproducer_runs_standalone(full_graph, path):
-    program = fuzz.generate(3)
+RETURNS_NOTHING = next(s for s in range(100) if fuzz.generate(s).returns == "nothing")
+
+
+@pytest.mark.parametrize("full_graph, path, seed", [("off", "compiled", 3), ("pieces", "compiled", 3),
+                                                     ("off", "breakable", 3), ("off", "compiled", RETURNS_NOTHING)])
+def test_reproducer_runs_standalone(full_graph, path, seed):
+    program = fuzz.generate(seed)
     script = fuzz.reproducer(program, (5, 2), fuzz.Setup(full_graph=full_graph, path=path, padding=None))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -258,7 +287,8 @@ def test_shapes_in_the_source_match_eager():
         inputs = model["make_inputs"](6, "cpu")
         with torch.no_grad():
             outputs = model["Model"]()(*inputs)
-        for var, value in zip(program.outputs, outputs):
+        assert (outputs is None) == (program.returns == "nothing"), seed
+        for var, value in zip(program.outputs, outputs or ()):
             expected = tuple(6 if d == N else d for d in var.shape)
             assert tuple(value.shape) == expected, (seed, var)
             assert (value.dtype == torch.int64) == var.is_index

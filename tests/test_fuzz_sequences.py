@@ -146,3 +146,14 @@ def test_padded_on_cpu_eager_pieces_agree_with_eager_over_walks_with_state():
             new.append(fuzz.reproducer(program, sizes, SEQUENCE, outcome))
     assert not new, f"{len(new)} failures; reproducers:\n\n" + "\n\n".join(new)
     assert padded >= 3, f"only {padded} cases ran padded"
+
+
+def test_programs_that_write_into_an_input_agree_with_eager_over_walks():
+    """The sink productions (a write into an input, maybe nothing returned) come with the
+    programs without state; walked over returning sizes, each call's write must match."""
+    seeds = [s for s in range(300) if fuzz.generate(s).written_inputs][:10]
+    for seed in seeds:
+        program, sizes = fuzz.generate(seed), fuzz.sequence_sizes(seed)
+        outcome = fuzz.run_case(program, sizes, SEQUENCE)
+        assert outcome.status == "ok", fuzz.reproducer(program, sizes, SEQUENCE, outcome)
+    assert len(seeds) == 10

@@ -323,3 +323,18 @@ def test_fuzzed_programs_that_only_write_into_an_input_match_eager_through_plans
         outcome = fuzz.run_case(program, sizes + sizes, setup)
         assert outcome.status == "ok", (outcome, fuzz.reproducer(program, sizes + sizes, setup))
     assert len(seeds) == 8 and sum(count > 0 for count in served) >= 6, served
+
+
+def test_the_fuzzer_reports_calls_that_ran_the_stitch_for_want_of_a_plan(monkeypatch):
+    """The fallback keeps results right, so a differential fuzzer would not see a plan that
+    failed to build: it reports one as an error."""
+    helpers.fake_cuda_graphs(monkeypatch)
+
+    def broken(*args):
+        raise RuntimeError("cannot write this")
+
+    monkeypatch.setattr(replay_plan, "_write_replay", broken)
+    setup = fuzz.Setup("eager", "cpu", padding=True)
+    program, sizes = setup.case(0)
+    outcome = fuzz.run_case(program, sizes + sizes, setup)
+    assert outcome.status == "error" and "no replay plan" in outcome.detail and "cannot write this" in outcome.detail

@@ -30,6 +30,10 @@ steps while it persists) and reported as a standalone script (`reproducer`, whic
 the sizes in order); `run_campaign` groups failures into classes by the productions
 their shrunk programs keep.
 
+A program may write into an input it is handed, and return nothing (the grammar's "sink"
+productions): the compiled model and eager each get their own copy of the inputs, and
+what a call produced is its outputs and then the inputs it writes, as they are after it.
+
 Statuses: a compiled result that differs from eager beyond float reordering (`error`
 above 1) is a "mismatch"; an exception from the compiled model where eager ran is an
 "error"; an exception from eager, or from torch.compile without cgcompile, is
@@ -232,6 +236,7 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     backend = Backend(setup.config())
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     outcome = _run_sizes(program, namespace, reference, compiled, sizes, setup, _state_marker(namespace, model))
+    outcome = _check_plans(outcome, backend, sizes)
     if setup.device == "cuda":
         backend.clear()  # return the case's graph pool before the next case
     tried = sizes[: _failing_position(sizes, outcome) + 1] if outcome.status == "error" else ()
@@ -242,6 +247,17 @@ def run_case(program: Program, sizes: Sequence[int], setup: Setup) -> Outcome:
     stats = backend.stats
     return dataclasses.replace(outcome, graphs=stats.graphs_seen, padded=padded, full_calls=stats.full_graph_calls,
                                fused_linears=stats.fused_linears)
+
+
+def _check_plans(outcome: Outcome, backend: Backend, sizes: Sequence[int]) -> Outcome:
+    """An error (placed at the walk's end) where calls ran the stitch because no replay
+    plan could be made: the results still match, but the fast path failed to build."""
+    failures = [f"n={n}, size {size}: {why}" for rt in backend.runtimes if rt.plans is not None
+                for (n, size), why in rt.plans.failures.items()]
+    if outcome.status != "ok" or not failures:
+        return outcome
+    detail = _one_line(RuntimeError(f"no replay plan at {failures[0]}"))
+    return Outcome("error", sizes[-1], detail, position=len(sizes) - 1)
 
 
 def _run_breakable(program: Program, namespace: dict, reference, model, sizes, setup: Setup) -> Outcome:
@@ -267,39 +283,58 @@ def _run_sizes(program: Program, namespace: dict, reference, compiled, sizes, se
     """Each size `setup.calls` times in a row, in order; the first outcome that is not ok.
     The reference and the compiled model see the same calls in the same order, so state
     either keeps across calls is the same in both where cgcompile is right."""
-    names = [v.name for v in program.outputs]
+    names = [v.name for v in program.outputs + program.written_inputs]
+    written = tuple(i for i, v in enumerate(program.used_inputs()) if v in program.written_inputs)
     with _grad_mode(program), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for position, n in enumerate(sizes):
             for call in range(setup.calls):
                 before_call()
-                outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names, call)
+                outcome = _run_size(namespace["make_inputs"], reference, compiled, n, setup.device, names, call,
+                                    written)
                 if outcome.status != "ok":
                     return dataclasses.replace(outcome, position=position)
     return Outcome("ok")
 
 
-def _run_size(make_inputs, reference, compiled, n: int, device: str, names, call: int = 0) -> Outcome:
-    inputs = make_inputs(n, device)
-    if call:  # other data than the call before: a replay that reads stale inputs differs
-        with torch.no_grad():
-            for t in inputs:
-                if t.is_floating_point():
-                    t.mul_(1.0 + 0.5 * call)
+def _run_size(make_inputs, reference, compiled, n: int, device: str, names, call: int = 0,
+              written: tuple[int, ...] = ()) -> Outcome:
+    """written: the positions of the inputs the program writes into; each model gets its
+    own copy of those (made alike: `make_inputs` is seeded by n)."""
+    def fresh() -> tuple:
+        inputs = make_inputs(n, device)
+        if call:  # other data than the call before: a replay that reads stale inputs differs
+            with torch.no_grad():
+                for t in inputs:
+                    if t.is_floating_point():
+                        t.mul_(1.0 + 0.5 * call)
+        return inputs
+
+    inputs = fresh()
+    reference_inputs, unwritten = (fresh(), fresh()) if written else (inputs, inputs)
     before = copy.deepcopy(reference)  # its buffers and state as they were before this call
     try:
-        want = reference(*inputs)
+        want = reference(*reference_inputs)
     except Exception as e:  # the generator wrote a program eager rejects
         return Outcome("invalid", n, _one_line(e))
     try:
         got = compiled(*inputs)
     except Exception as e:
         return Outcome("error", n, _one_line(e))
+    if (got is None) != (want is None):
+        return Outcome("mismatch", n, f"returned {type(got).__name__}, eager {type(want).__name__}")
+    got, want = _produced(got, inputs, written), _produced(want, reference_inputs, written)
     distance = error(got, want)
     if distance <= 1:
         return Outcome("ok")
-    status = "unstable" if distance <= 10 * _wobble(before, inputs, want) else "mismatch"
+    status = "unstable" if distance <= 10 * _wobble(before, unwritten, want, written) else "mismatch"
     return Outcome(status, n, compare(got, want, names))
+
+
+def _produced(outputs, inputs: Sequence, written: tuple[int, ...]) -> tuple:
+    """What a call produced: its outputs (none where it returned None), then the inputs it
+    wrote into, as they are after it."""
+    return tuple(outputs or ()) + tuple(inputs[i] for i in written)
 
 
 def _grad_mode(program: Program):
@@ -330,7 +365,7 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _wobble(before, inputs, want) -> float:
+def _wobble(before, inputs, want, written: tuple[int, ...] = ()) -> float:
     """How far eager's own answer moves (in tolerances, as `error`) when the float inputs
     move by a relative 1e-6: large for a near tie in a sort or an amplifying chain of
     ops, where a reordering of float sums may legitimately move the answer as far.
@@ -342,7 +377,7 @@ def _wobble(before, inputs, want) -> float:
             t * (1 + 1e-6 * torch.randn(t.shape, generator=g).to(t.device)) if t.is_floating_point() else t
             for t in inputs
         ]
-        moves.append(error(copy.deepcopy(before)(*moved), want))
+        moves.append(error(_produced(copy.deepcopy(before)(*moved), moved, written), want))
     return max(moves)
 
 
@@ -486,13 +521,14 @@ def reproducer(program: Program, sizes: Sequence[int], setup: Setup, outcome: Ou
         *_compiled_source(setup),
         f"with torch.{'inference_mode' if program.inference_mode else 'no_grad'}():",
         f"    for n, call in {tuple((n, call) for n in sizes for call in range(setup.calls))}:",
-        f"        inputs = make_inputs(n, {setup.device!r})",
-        "        for t in inputs:  # each call of a size its own data, as the fuzzer runs it",
+        f"        inputs, expected = make_inputs(n, {setup.device!r}), make_inputs(n, {setup.device!r})  # alike",
+        "        for t in inputs + expected:  # each call of a size its own data, as the fuzzer runs it",
         "            if t.is_floating_point():",
         "                t.mul_(1.0 + 0.5 * call)",
         *(["        mark_state(model)"] if program.row_states else []),
-        "        torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-4, atol=1e-4,",
-        "                                   equal_nan=True, msg=lambda m: f'n={n}: {m}')",
+        "        # the outputs, and the inputs as the call left them (a program may write into one)",
+        "        torch.testing.assert_close((compiled(*inputs), inputs), (reference(*expected), expected), rtol=1e-4,",
+        "                                   atol=1e-4, equal_nan=True, msg=lambda m: f'n={n}: {m}')",
         "print('ok')",
     ]
     return "\n".join(lines) + "\n" + HEADER + source(program) + "\n".join(harness) + "\n"

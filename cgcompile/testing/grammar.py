@@ -15,7 +15,15 @@ The rules that keep eager's answer well defined, so any difference is cgcompile'
     n // 2 rows, which specializes), so that every case compiles one graph per kind of n;
   - in-place writes only into intermediates, never into an input or parameter (or a
     view of one), never through a tensor a `reshape` may or may not alias
-    (`_Builder.mutate`), and never with an operand that aliases the target.
+    (`_Builder.mutate`), and never with an operand that aliases the target. The one
+    exception is an input made to be written: see below.
+
+Programs whose effect is a write into an input (the "sink" productions, drawn after
+every other step of some programs without state): a tensor is accumulated into `out`, an input
+of its own, through a split op, as an attention op writes the output buffer it is handed.
+Such a program returns nothing (`return ()`, or no return at all: Dynamo's graph then has
+no outputs) or its outputs besides (`Program.returns`); the fuzzer compares the inputs it
+writes after each call (`Program.written_inputs`), as it compares outputs.
 
 State kept across calls (`generate(seed, stateful=True)`, the fuzzer's sequence mode):
 the "state" productions keep a tensor the call made, a view of an intermediate, in a
@@ -106,6 +114,7 @@ class Program:
     layout: str = "contiguous"  # of the float inputs (`LAYOUTS`)
     inference_mode: bool = False  # run under torch.inference_mode(), else torch.no_grad()
     stateful: bool = False  # drawn with the "state" productions (`generate`)
+    returns: str = "outputs"  # what forward returns (`RETURNS`)
 
     @property
     def productions(self) -> tuple[str, ...]:
@@ -119,7 +128,11 @@ class Program:
     @property
     def outputs(self) -> tuple[Var, ...]:
         """Every tensor that no step reads after its last write (its definition or an
-        in-place write into its storage): so every step's work reaches an output."""
+        in-place write into its storage): so every step's work reaches an output. Empty
+        where the program returns nothing."""
+        if self.returns != "outputs":
+            return ()
+
         def last(v: Var, touches: Callable[[Step], bool]) -> int:
             return max((i for i, s in enumerate(self.steps) if touches(s)), default=-1)
 
@@ -144,6 +157,12 @@ class Program:
         read = set().union(*(s.reads for s in self.steps))
         return tuple(v for i, v in enumerate(self.inputs) if i == 0 or v.name in read)
 
+    @property
+    def written_inputs(self) -> tuple[Var, ...]:
+        """The inputs a call writes into (the sink productions'), in the signature's order."""
+        written = set().union(*(s.mutates for s in self.steps))
+        return tuple(v for v in self.used_inputs() if v.base in written)
+
 
 # -- building a program: the builder the productions call ------------------------------------
 
@@ -159,6 +178,7 @@ class _Builder:
     def __init__(self, rng: random.Random, inputs: Sequence[Var]):
         self.rng = rng
         self.vars: list[Var] = list(inputs)
+        self.new_inputs: list[Var] = []  # inputs made to be written (`input_to_write`)
         self.steps: list[Step] = []
         self.immutable = {v.base for v in inputs}
         self.ambiguous: set[str] = set()  # bases a reshape may or may not alias
@@ -172,6 +192,7 @@ class _Builder:
         except Skip:
             return False
         self.vars += self._defines
+        self.new_inputs += self._new_inputs
         self.ambiguous |= self._ambiguous
         self.steps.append(Step(name, tuple(self._lines), frozenset(self._reads), frozenset(self._mutates),
                                tuple(self._defines), tuple(self._params)))
@@ -179,7 +200,7 @@ class _Builder:
 
     def _begin(self) -> None:
         """Start a step: what the production in progress has emitted so far."""
-        self._lines, self._defines, self._params = [], [], []
+        self._lines, self._defines, self._params, self._new_inputs = [], [], [], []
         self._reads, self._mutates, self._ambiguous = set(), set(), set()
 
     # -- for productions ------------------------------------------------------------------
@@ -241,6 +262,22 @@ class _Builder:
         not into an input (or a view of one), not where a reshape may or may not alias."""
         if var.is_index or var.base in self.immutable or var.base in self.ambiguous | self._ambiguous:
             raise Skip
+        self._mutates.add(var.base)
+        self._reads.add(var.name)
+        self._lines.append(line)
+
+    def input_to_write(self, shape) -> Var:
+        """A new float input, `out`, that the program may write into (`write_input`).
+        Writing into it keeps eager's answer defined: no other step reads it."""
+        var = Var("out", tuple(shape), "out")
+        if not var.rows or any(v.name == var.name for v in self.vars + self.new_inputs):
+            raise Skip
+        self._new_inputs.append(var)
+        return var
+
+    def write_input(self, var: Var, line: str) -> None:
+        """Emit an in-place write into an input made by `input_to_write`."""
+        assert var in self._new_inputs, var
         self._mutates.add(var.base)
         self._reads.add(var.name)
         self._lines.append(line)
@@ -937,6 +974,32 @@ def split_adjacent(g):
     g.define(f"{OPS}.silly_attention({t}, {v}, {t})", v.shape)
 
 
+# writes into an input, drawn last (`generate`): what the program does may be only these
+
+
+@production("sink")
+def sink_accumulate(g):
+    """A tensor accumulated into `out` by the split op; sometimes a capturable piece
+    then scales `out` in place (a graph piece that writes into a graph input)."""
+    t = g.pick(_rows(2))
+    out = g.input_to_write(t.shape)
+    g.write_input(out, f"{OPS}.silly_accumulate({out}, {t})")
+    if g.rng.random() < 0.5:
+        g.write_input(out, f"{out}.mul_({g.choice(['0.5', '-2.0'])})")
+
+
+@production("sink")
+def sink_view(g):
+    """Columns of a tensor accumulated into columns of `out`, through views a capturable
+    piece makes and the split op writes through."""
+    t = g.pick(lambda v: _rows(2)(v) and v.shape[1] >= 2)
+    d = t.shape[1]
+    k = g.rng.randint(1, d - 1)
+    out = g.input_to_write(t.shape)
+    target, source = g.choice([(f"{out}[:, :{k}]", f"{t}[:, {d - k}:]"), (f"{out}[:, {k}:]", f"{t}[:, :{d - k}]")])
+    g.write_input(out, f"{OPS}.silly_accumulate({target}, {source})")
+
+
 # -- generation ------------------------------------------------------------------------------
 
 
@@ -950,6 +1013,7 @@ def _inputs(rng: random.Random) -> tuple[Var, ...]:
 
 
 MODES = ("any", "row_local", "one_mixing")  # and their odds below
+RETURNS = ("outputs", "nothing", "empty")  # forward returns its outputs, has no return, returns ()
 LAYOUTS = {  # how make_inputs lays out a float input [n, d]
     "contiguous": "torch.randn(n, {d}, generator=g).to(device)",
     "transposed": "torch.randn({d}, n, generator=g).to(device).t()",  # strides (1, n)
@@ -966,6 +1030,8 @@ def generate(seed: int, max_steps: int = 10, *, stateful: bool = False) -> Progr
     padding-safety analysis must catch on its own). A split op may be forced first and last.
     stateful: the "state" productions join, one forced at a random step; without it no
     draw changes, so a seed's program stays what it was before they existed.
+    Some programs without state end with a "sink" production (a write into an input) and
+    may return nothing (`_sink`).
     """
     rng = random.Random(seed)
     inputs = _inputs(rng)
@@ -985,11 +1051,28 @@ def generate(seed: int, max_steps: int = 10, *, stateful: bool = False) -> Progr
     # Drawn last, so that adding them kept the programs earlier draws make:
     layout = rng.choices(list(LAYOUTS), weights=(6, 2, 2))[0]
     inference_mode = rng.random() < 0.3
-    return Program(seed, inputs, tuple(builder.steps), mode, layout, inference_mode, stateful)
+    returns = "outputs" if stateful else _sink(builder, rng)
+    return Program(seed, inputs + tuple(builder.new_inputs), tuple(builder.steps), mode, layout, inference_mode,
+                   stateful, returns)
+
+
+def _sink(builder: _Builder, rng: random.Random) -> str:
+    """For about one program in seven, a last step that writes into an input; returns
+    what the program returns (`RETURNS`). Drawn after every other draw, so that the
+    programs other seeds make stay what they were, and those with a sink keep their
+    other steps (dead code where it returns nothing, which Dynamo drops)."""
+    if rng.random() >= 0.15:
+        return "outputs"
+    sinks = [p for p in PRODUCTIONS if p.family == "sink"]
+    for _ in range(20):
+        p = rng.choice(sinks)
+        if builder.run(p.name, p.emit):
+            return rng.choice(RETURNS)
+    return "outputs"
 
 
 def _candidates(mode: str, mixing_step: bool, split: bool, stateful: bool, state_step: bool) -> list[Production]:
-    drawn = [p for p in PRODUCTIONS if stateful or p.family != "state"]
+    drawn = [p for p in PRODUCTIONS if (stateful or p.family != "state") and p.family != "sink"]
     if state_step:
         return [p for p in drawn if p.family == "state" and (mode == "any" or mixing_step or not p.mixes_rows)]
     if split:
@@ -1009,7 +1092,6 @@ def source(program: Program) -> str:
     inputs = program.used_inputs()
     init = [f"        {p.source()}" for p in params]
     body = [f"        {line}" for s in program.steps for line in s.lines]
-    outputs = _tuple_source(v.name for v in program.outputs)
     signature = ", ".join(v.name for v in inputs)
     shapes = ", ".join(f"{v}: {_describe(v)}" for v in inputs)
     lines = [
@@ -1021,13 +1103,19 @@ def source(program: Program) -> str:
         "",
         f"    def forward(self, {signature}):  # {shapes}",
         *body,
-        f"        return {outputs}",
+        *_return_source(program),
         "",
         "",
         *_make_inputs_source(program, inputs),
         *_mark_state_source(program),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _return_source(program: Program) -> list[str]:
+    if program.returns == "nothing":
+        return [f"        # returns nothing: what it does is write into {', '.join(map(str, program.written_inputs))}"]
+    return [f"        return {_tuple_source(v.name for v in program.outputs)}"]
 
 
 def _make_inputs_source(program: Program, inputs: Sequence[Var]) -> list[str]:
@@ -1066,7 +1154,7 @@ def _mark_state_source(program: Program) -> list[str]:
 
 def _tuple_source(items) -> str:
     items = list(items)
-    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"  # () when empty
 
 
 HEADER = (
