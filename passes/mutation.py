@@ -7,7 +7,10 @@ An op writes into:
     (`x += y`, `x[i] = y`; Dynamo keeps `operator.iadd` and `operator.setitem`);
   - each argument its schema marks written (`Tensor(a!)`): a cache update writes keys and
     values; a custom op may write several;
-  - its `out=` tensor (`torch.add(x, 1, out=buf)`, which Dynamo keeps as it is).
+  - its `out=` tensor (`torch.add(x, 1, out=buf)`, which Dynamo keeps as it is);
+  - its first argument when it is a function called with `inplace=True`, by keyword or
+    by position (`F.relu(x, inplace=True)`, `F.hardswish(x, True)`: Dynamo keeps the
+    functional call of `nn.ReLU(inplace=True)` as it is).
 
 A write reaches the tensor a chain of views starts from (`view_base`): views, and ops
 such as reshape or contiguous that may return their argument or a view of it
@@ -16,6 +19,8 @@ such as reshape or contiguous that may return their argument or a view of it
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Any
 
@@ -64,12 +69,33 @@ def in_place_target(node: Node) -> Any:
         target = node.args[0]
         if node.target is operator.setitem or isinstance(example_value(target), torch.Tensor):
             return target
+    if node.op == "call_function" and _called_in_place(node):
+        return node.args[0] if node.args else None
     schema = _schema(node)
     if schema is not None:
         for arg, value in zip(schema.arguments, node.args):
             if _writes(arg):
                 return value
     return None
+
+
+def _called_in_place(node: Node) -> bool:
+    """A function with an `inplace` parameter called with it true (`F.relu(x, inplace=True)`)."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    position = _inplace_position(node.target)
+    return position is not None and len(node.args) > position and node.args[position] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _inplace_position(target) -> int | None:
+    """Where `inplace` sits among `target`'s positional parameters, or None."""
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # builtins and ops without a Python signature
+        return None
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names.index("inplace") if "inplace" in names else None
 
 
 def mutated_base(node: Node) -> tuple[Any, Node | None]:

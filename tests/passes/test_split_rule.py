@@ -344,3 +344,23 @@ def test_a_cpu_scalar_in_an_accelerator_graph_runs_eagerly_end_to_end():
     for piece in backend.pieces[0::2]:  # the capturable pieces: no CPU tensor in or out
         values = [example_value(n) for n in piece.graph.graph.nodes if n.op in ("placeholder", "get_attr")]
         assert all(v.device.type == "meta" for v in values if isinstance(v, torch.Tensor))
+
+
+def test_a_function_called_with_inplace_true_writes_its_first_argument():
+    # Dynamo keeps nn.ReLU(inplace=True) as `F.relu(x, inplace=True)`, and a positional
+    # `F.hardswish(x, True)` as it is: both write into x, a graph input here.
+    import torch.nn.functional as F
+
+    def f(x, y, z, w):
+        F.hardswish(x, True)
+        F.relu(y, inplace=True)
+        F.relu(z)  # not in place
+        return (x + y + z) @ w
+
+    args = [torch.randn(4, 8) for _ in range(3)] + [torch.randn(8, 8)]
+    eager_args = [a.clone() for a in args]
+    compiled, backend = compile_eager(f)
+    assert torch.equal(compiled(*args), f(*eager_args))
+    for got, expected in zip(args, eager_args):
+        assert torch.equal(got, expected)
+    assert rules(backend.pieces[0]) == ["input_mutation", "input_mutation"]
