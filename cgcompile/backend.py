@@ -70,6 +70,7 @@ class Backend:
         self._compiler = PieceCompiler(
             self.config.compiler, self.config.compile_sizes,
             dict(self.config.inductor_options), dict(self.config.size_inductor_options),
+            all_reduce=self.config.all_reduce,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.

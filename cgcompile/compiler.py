@@ -48,6 +48,7 @@ import torch
 from .compat import (free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
                      value_range_within)
 from .ops import call_without_cudnn_attention
+from .parallel.inductor_all_reduce import with_all_reduce_pass
 from .passes import PieceSpec, example_value, free_symbols, lower_small_query_attention
 
 log = logging.getLogger(__name__)
@@ -173,13 +174,16 @@ class PieceCompiler:
     specialised_compilations / specialise_s: compiles at one of `compile_sizes` (with
     compiler="eager" too: a retrace at that size), and the wall seconds they took, the
     warm-up that `compile_sizes` adds.
+    all_reduce: `Config.all_reduce`; "auto" adds the post-grad pass that routes the aten
+        graph's all-reduces (`parallel.inductor_all_reduce`) to Inductor's options.
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
-                 inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None):
+                 inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
+                 all_reduce: str = "nccl"):
         self.compiler = compiler
         self.compile_sizes = frozenset(compile_sizes)
-        self.inductor_options = dict(inductor_options or {})
+        self.inductor_options = with_all_reduce_pass(dict(inductor_options or {}), all_reduce)
         self.size_options = {**self.inductor_options, **(size_options or {})}
         self.cache = CompileCache()
 

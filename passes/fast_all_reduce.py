@@ -1,7 +1,9 @@
 """Find a graph's functional all-reduces and route chosen ones to another all-reduce op.
 
 Tensor-parallel models reach Dynamo's graph through torch.distributed's functional
-collectives. `funcol.all_reduce(x, "sum", group)` traces as two nodes:
+collectives; DTensor models reach the aten graph AOTAutograd hands Inductor the same way
+(a `redistribute` from Partial to Replicate dispatches to the same two ops), so the functions
+here read either graph. `funcol.all_reduce(x, "sum", group)` traces as two nodes:
 
     ar = _c10d_functional.all_reduce(x, "sum", group_name)   # starts the collective
     y = _c10d_functional.wait_tensor(ar)                     # every user reads y
@@ -36,8 +38,8 @@ WAIT = "_c10d_functional::wait_tensor"
 class AllReduceSite:
     """One functional all-reduce of a graph and the wait that ends it.
 
-    blocker: why the pair cannot be routed (None: it can). shape and dtype are the traced
-    input's (sizes may be symbolic: the bytes are known only per capture size)."""
+    blocker: why the pair cannot be routed (None: it can). shape, dtype and device are the
+    traced input's (sizes may be symbolic: the bytes are known only per capture size)."""
 
     node: str
     wait: str | None
@@ -46,6 +48,7 @@ class AllReduceSite:
     shape: tuple
     dtype: torch.dtype | None
     blocker: str | None = None
+    device: torch.device | None = None
 
 
 def op_name(node: Node) -> str:
@@ -69,10 +72,10 @@ def _site(node: Node) -> AllReduceSite:
     group_name = node.kwargs.get("group_name", group_name)
     value = example_value(x) if isinstance(x, Node) else None
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
-    dtype = value.dtype if isinstance(value, torch.Tensor) else None
+    dtype, device = (value.dtype, value.device) if isinstance(value, torch.Tensor) else (None, None)
     waits = [u for u in node.users if op_name(u) == WAIT]
     site = AllReduceSite(node.name, waits[0].name if len(waits) == 1 else None, str(reduce_op).lower(),
-                         str(group_name), shape, dtype)
+                         str(group_name), shape, dtype, device=device)
     return dataclasses.replace(site, blocker=_blocker(node, waits, site))
 
 
@@ -96,7 +99,8 @@ def route_all_reduces(gm: GraphModule, sites: list[AllReduceSite], target: Calla
 
     Returns how many pairs were replaced. The new node takes the wait's place in the
     graph (so nothing between the collective and its wait moves) and its metadata (the
-    result has the wait's value: same shape, dtype and layout as the input)."""
+    result has the wait's value: same shape, dtype and layout as the input). `gm` may be a
+    Dynamo graph or the aten graph of an Inductor compile (its post-grad passes)."""
     by_name = {node.name: node for node in gm.graph.nodes}
     routed = 0
     for site in sites:
@@ -105,7 +109,9 @@ def route_all_reduces(gm: GraphModule, sites: list[AllReduceSite], target: Calla
         start, wait = by_name[site.node], by_name[site.wait]
         with gm.graph.inserting_before(wait):
             call = gm.graph.call_function(target, (start.args[0], site.reduce_op, site.group_name))
-        call.meta.update(wait.meta)
+        # The wait's value; not its recorded eager inputs, which Inductor would match
+        # against the new op's schema.
+        call.meta.update({k: v for k, v in wait.meta.items() if k != "eager_input_vals"})
         wait.replace_all_uses_with(call)
         gm.graph.erase_node(wait)
         gm.graph.erase_node(start)

@@ -66,6 +66,10 @@ class GroupRegistry:
     def choices(self) -> list[AllReduceChoice]:
         return [g.choice for g in self._groups.values()]
 
+    def choice_of(self, group_name: str) -> AllReduceChoice | None:
+        group = self._groups.get(group_name)
+        return None if group is None else group.choice
+
     def calls(self) -> dict[str, dict[str, int]]:
         return {name: dict(g.calls) for name, g in self._groups.items()}
 

@@ -1,7 +1,9 @@
 """The fast all-reduce on 2 GPUs over NCCL (run by tests/parallel/test_all_reduce.py under
 torchrun): the group gets symmetric memory; all-reduces routed into captured pieces equal
 NCCL's at one-shot, two-shot and over-threshold sizes, replay after replay; a compiled
-tensor-parallel decoder gives the same logits with the fast path as with NCCL."""
+tensor-parallel decoder gives the same logits with the fast path as with NCCL; a DTensor
+MLP (`parallelize_module`) has its all-reduce routed inside Inductor's aten graph, captured,
+equal to eager."""
 
 import os
 import sys
@@ -14,8 +16,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+
 import cgcompile  # noqa: E402
-from cgcompile.parallel.all_reduce_choice import NCCL, ONE_SHOT, TWO_SHOT, TWO_SHOT_MAX_BYTES  # noqa: E402
+from cgcompile.parallel.all_reduce_choice import FAST, NCCL, ONE_SHOT, TWO_SHOT, TWO_SHOT_MAX_BYTES  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, setup_all_reduce, torchrun_worker  # noqa: E402
 from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
 from cgcompile.testing.parallel_model import TensorParallelDecoder, seeded_llama  # noqa: E402
@@ -79,9 +84,30 @@ def tensor_parallel_decoder_equals_nccl(device):
     return "tensor-parallel decoder equals nccl"
 
 
+def dtensor_layers_fast_inside_inductor(device):
+    torch._dynamo.reset()
+    torch.manual_seed(0)  # the same weights on every rank
+    with torch.inference_mode(False):  # parameters, not inference tensors
+        mlp = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.ReLU(),
+                                  torch.nn.Linear(2 * HIDDEN, HIDDEN)).to(device, torch.bfloat16)
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+        mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    backend = cgcompile.Backend(cgcompile.Config(capture_sizes=(1, 2, 4), capture_error_mode="thread_local"))
+    compiled = torch.compile(mlp, backend=backend)
+    for rows in (1, 2, 4, 1, 2):  # the same input on every rank (a replicated activation)
+        x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows)).to(device, torch.bfloat16)
+        torch.testing.assert_close(compiled(x), mlp(x), rtol=2e-2, atol=2e-2)
+    inside = [r for r in all_reduce_report().sites if r.level == "inductor"]
+    assert inside and all(r.kind == FAST for r in inside), [str(r) for r in inside]
+    assert backend.stats.graphs_captured, backend.stats
+    assert all_reduce_report().calls[mesh.get_group().group_name].get(ONE_SHOT), all_reduce_report().calls
+    return "dtensor layers fast inside inductor"
+
+
 if __name__ == "__main__":
     with torchrun_worker("cuda") as device, torch.inference_mode():
-        for check in (fast_path_chosen, captured_sizes_equal_nccl, tensor_parallel_decoder_equals_nccl):
+        for check in (fast_path_chosen, captured_sizes_equal_nccl, tensor_parallel_decoder_equals_nccl,
+                      dtensor_layers_fast_inside_inductor):
             print(f"rank {dist.get_rank()}: {check(device)}: ok", flush=True)
         for line in all_reduce_report().lines():
             print(f"rank {dist.get_rank()}: {line}", flush=True)

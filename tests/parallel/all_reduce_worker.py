@@ -1,7 +1,9 @@
 """The fast all-reduce on 2 gloo ranks (run by tests/parallel/test_all_reduce.py under
 torchrun): the set-up chooses NCCL's place-holder, the group's own all-reduce, with the
 reason; a graph whose all-reduces were routed to `cgcompile::all_reduce` still sums across
-ranks; a compiled tensor-parallel layer equals eager."""
+ranks; a compiled tensor-parallel layer equals eager; a DTensor layer (`parallelize_module`),
+whose all-reduce only Inductor's aten graph shows, is found there, and routed there it still
+equals eager."""
 
 import os
 import sys
@@ -11,6 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 import cgcompile  # noqa: E402
 from cgcompile.parallel.all_reduce_choice import NCCL  # noqa: E402
@@ -59,9 +65,48 @@ def routed_op_equals_eager():
     return "routed op equals eager"
 
 
+def sharded_mlp():
+    """Column- then row-parallel linears: the row-parallel output is a Partial DTensor whose
+    redistribute to Replicate is an all-reduce only after AOTAutograd's dispatch."""
+    torch.manual_seed(0)  # the same input and weights on every rank
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}), torch.randn(4, 16)
+
+
+class RouteEverySum(CustomGraphPass):
+    """A post-grad pass that routes every routable all-reduce, whatever its group's choice."""
+
+    def __init__(self):
+        self.routed = []
+
+    def __call__(self, graph):
+        self.routed.append(route_all_reduces(graph.owning_module, find_all_reduces(graph.owning_module),
+                                             ALL_REDUCE_OP))
+
+    def uuid(self):
+        return None  # no caching: the pass must run
+
+
+def dtensor_all_reduce_routed_inside_inductor():
+    mlp, x = sharded_mlp()
+    torch._dynamo.reset()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="inductor"))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(mlp, backend=backend)(x), mlp(x))
+        inside = [r for r in all_reduce_report().sites if r.level == "inductor"]
+        assert [r.kind for r in inside] == [NCCL] and "its input is on cpu" in inside[0].reason, inside
+        torch._dynamo.reset()
+        route = RouteEverySum()
+        routed = torch.compile(mlp, options={"post_grad_custom_post_pass": route})(x)
+        assert route.routed == [1], route.routed
+        torch.testing.assert_close(routed, mlp(x))
+    return "dtensor all-reduce routed inside inductor"
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    for scenario in (gloo_falls_back, routed_op_equals_eager):
+    for scenario in (gloo_falls_back, routed_op_equals_eager, dtensor_all_reduce_routed_inside_inductor):
         print(f"rank {dist.get_rank()}: {scenario()}: ok", flush=True)
     dist.barrier()
     dist.destroy_process_group()

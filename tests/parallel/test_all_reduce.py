@@ -1,7 +1,8 @@
 """The fast all-reduce: which groups, sizes, dtypes and reductions get symmetric memory and
 which NCCL (pure), the rewrite on a Dynamo graph of functional collectives (one gloo rank),
-everything falling back on 2 gloo ranks with eager's results, and on 2 GPUs the fast path
-inside captured pieces against NCCL."""
+the same rewrite on the aten graph inside Inductor (fake CUDA tensors), everything falling
+back on 2 gloo ranks with eager's results (a DTensor layer's all-reduce found inside
+Inductor), and on 2 GPUs the fast path inside captured pieces against NCCL."""
 
 import contextlib
 
@@ -9,13 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from cgcompile.parallel.all_reduce_choice import (
     FAST, NCCL, ONE_SHOT, ONE_SHOT_MAX_BYTES, TWO_SHOT, TWO_SHOT_MAX_BYTES, GroupFacts, choose_for_group,
     kind_for_call,
 )
-from cgcompile.parallel.fast_all_reduce import route_graph_all_reduces
-from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP
+from cgcompile.compiler import PieceCompiler
+from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route_graph_all_reduces
+from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, with_all_reduce_pass
+from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.fast_all_reduce import find_all_reduces, op_name, route_all_reduces
 from parallel_launch import ROOT, torchrun
 
@@ -147,14 +152,62 @@ def test_an_input_that_requires_grad_is_not_routed():
         assert "requires grad" in find_all_reduces(gm)[0].blocker
 
 
+# -- the rewrite on the aten graph inside Inductor ----------------------------------------
+
+
+def aten_graph(group, device="cuda", dtype=torch.bfloat16):
+    """The aten graph of a row-parallel layer, traced on fake tensors (no GPU needed)."""
+    def layer(x, w):
+        return funcol.all_reduce(x @ w, "sum", group) + 1
+
+    with FakeTensorMode():
+        x, w = torch.empty(3, 8, device=device, dtype=dtype), torch.empty(8, 8, device=device, dtype=dtype)
+        return make_fx(layer)(x, w)
+
+
+def test_aten_all_reduces_follow_the_recorded_choice_of_their_group():
+    registry = GroupRegistry()
+    with one_gloo_rank() as group:
+        unset = route_compiled_all_reduces(aten_graph(group), registry.choice_of)
+        assert [(r.kind, r.level) for r in unset] == [(NCCL, "inductor")]
+        assert "not set up before the compile" in unset[0].reason
+        registry.add(FastGroup(choose_for_group(group.group_name, GOOD), {}))
+        gm = aten_graph(group)
+        RouteCompiledAllReduces(registry)(gm.graph)  # as Inductor calls it
+        ops = [op_name(n) for n in gm.graph.nodes]
+        assert ops.count("cgcompile::all_reduce") == 1 and "_c10d_functional::wait_tensor" not in ops, gm.code
+        half = route_compiled_all_reduces(aten_graph(group, dtype=torch.float16), registry.choice_of)
+        assert half[0].kind == NCCL and "torch.float16" in half[0].reason
+        on_cpu = route_compiled_all_reduces(aten_graph(group, device="cpu"), registry.choice_of)
+        assert on_cpu[0].kind == NCCL and "its input is on cpu" in on_cpu[0].reason
+
+
+def test_the_inductor_pass_keys_the_cache_by_the_recorded_choices():
+    registry = GroupRegistry()
+    before = RouteCompiledAllReduces(registry)
+    uuid, name = before.uuid(), repr(before)
+    registry.add(FastGroup(choose_for_group("tp", GOOD), {}))
+    assert before.uuid() != uuid and repr(before) != name
+    assert "0x" not in repr(before)  # no address: cgcompile's compile keys hold it
+
+
+def test_pieces_compile_with_the_pass_unless_all_reduce_is_nccl():
+    assert isinstance(PieceCompiler("inductor", all_reduce="auto").inductor_options[POST_GRAD_PASS],
+                      RouteCompiledAllReduces)
+    assert POST_GRAD_PASS not in PieceCompiler("inductor", all_reduce="nccl").inductor_options
+    mine = RouteCompiledAllReduces(GroupRegistry())
+    assert with_all_reduce_pass({POST_GRAD_PASS: mine}, "auto")[POST_GRAD_PASS] is mine  # the user's pass is kept
+
+
 # -- 2 ranks ------------------------------------------------------------------------------
 
 
 def test_on_two_gloo_ranks_everything_falls_back_and_equals_eager():
-    out = torchrun(ROOT / "tests" / "parallel" / "all_reduce_worker.py")
+    out = torchrun(ROOT / "tests" / "parallel" / "all_reduce_worker.py", timeout=400)
     for rank in (0, 1):
         assert f"rank {rank}: gloo falls back: ok" in out, out
         assert f"rank {rank}: routed op equals eager: ok" in out, out
+        assert f"rank {rank}: dtensor all-reduce routed inside inductor: ok" in out, out
 
 
 two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -169,3 +222,4 @@ def test_cuda_fast_all_reduce_in_captured_pieces_equals_nccl():
         assert f"rank {rank}: fast path chosen: ok" in out, out
         assert f"rank {rank}: captured sizes equal nccl: ok" in out, out
         assert f"rank {rank}: tensor-parallel decoder equals nccl: ok" in out, out
+        assert f"rank {rank}: dtensor layers fast inside inductor: ok" in out, out
