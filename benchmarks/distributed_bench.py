@@ -1,18 +1,28 @@
-"""Decode on 2 GPUs (issue 19): tensor parallel and pipeline parallel with cgcompile.
+"""Decode on N GPUs (issues 19, 41): tensor parallel and pipeline parallel with cgcompile.
 
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
+    torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 70b --batches 1,8   # TP=4, 70B class
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
 
+TP runs over every rank (TP=N, variant names tpN-...); TP=1 is rank 0 alone. The 70B-class
+shape (hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 28672, vocab 128256) fits no
+single GPU: each rank builds only its own shard (the full model on the meta device, sharded
+there, materialised with random weights on the GPU), and only the TP variants run. Every TP
+row carries the per-rank weight-bytes floor: the bytes of the rank's weights that a step reads
+(its shard of every layer, the replicated head; the embedding's few rows left out) over the
+bandwidth of one device-to-device copy measured at start (benchmarks/harness.py), and the
+step over that floor (target <= 1.3 for 70b TP=4 at batch 1).
+
 Variants, each on the decode model of cgcompile/testing/decode_model.py with random weights:
-    tp2-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
+    tpN-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
                     compiled with cgcompile on both ranks: step time at batch 1, 8, 64
-    tp2-eager       the same model, eager
+    tpN-eager       the same model, eager
     tp1-cgcompile   the unsharded model compiled with cgcompile on rank 0 alone
-    tp2-cgcompile-full, tp1-cgcompile-full
+    tpN-cgcompile-full, tp1-cgcompile-full
                     the same with static attention (a device-side position, the whole
                     cache masked) declared capturable: one CUDA graph per step, the
                     all-reduces inside it (Config.capturable_split_ops)
-    tp2-cgcompile-full-sq, tp1-cgcompile-full-sq
+    tpN-cgcompile-full-sq, tp1-cgcompile-full-sq
                     the same with that attention compiled as batched matmuls over the keys
                     (Config.small_query_attention; CUDA only)
     pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
@@ -26,7 +36,8 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
                     torch symmetric memory where the group allows it; CUDA only)
 
 --all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md);
---json writes rank 0's rows to a file. NVLink multicast stays off in every run.
+--tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, tp1: rank 0
+alone); --json writes rank 0's rows to a file. NVLink multicast stays off in every run.
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
 --warmup steps before timing; TP step time is the median of --steps steps, each timed
@@ -34,7 +45,8 @@ with CUDA events by the shared harness (benchmarks/harness.py; both ranks run th
 steps, in lockstep through their all-reduces); PP throughput is batch x steps over the
 wall time of --steps decode steps of both micro-batches, synchronised at both ends. The
 cache holds FILL positions before the first step; each step writes the next position. Ratios, not absolute numbers, are the verdicts:
-  TP: tp1-cgcompile / tp2-cgcompile >= 1.6 at batch 1 (8b); tp2-eager / tp2-cgcompile >= 4
+  TP: tp1-cgcompile / tp2-cgcompile >= 1.6 at batch 1 (8b), tp1 / tp4 >= 2.5; tpN-eager / tpN-cgcompile >= 4;
+      70b tp4-cgcompile <= 1.3x the per-rank weight-bytes floor at batch 1
   PP: pp2-cgcompile / pp2-eager >= 1.6; pp2-cgcompile / single >= 1.3 (tokens/s, batch 64)
 Rank 0 prints one JSON line per measurement and the ratios at the end.
 """
@@ -42,6 +54,7 @@ Rank 0 prints one JSON line per measurement and the ratios at the end.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -62,7 +75,9 @@ from cgcompile.testing.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Ll
                                             StaticMaskDecoder, use_length_independent_attention_kernels)
 from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder  # noqa: E402
 
-CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336)}
+CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+           "70b": ModelConfig(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=128256)}
+SHARD_ONLY = {"70b"}  # no rank can hold the whole model: TP variants only, each rank its shard
 FILL = 256
 ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce)
 
@@ -77,6 +92,8 @@ def parse_args():
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"], help="Config.all_reduce")
     p.add_argument("--json", default=None, help="write rank 0's rows here")
+    p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
+                   help="TP variants: cgcompile, eager, full (the full-graph ones), tp1 (rank 0 alone)")
     p.add_argument("--parts", default="pp,tp,allreduce",
                    help="which of pp (pipeline), tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
     args = p.parse_args()
@@ -133,27 +150,74 @@ def full_graph_share(backend) -> str:
     return f"{stats.full_graph_calls}/{stats.full_graph_calls + stats.piecewise_calls}"
 
 
-def tensor_parallel(llama, device, args, report):
+def tensor_parallel(llama, device, args, report, floor):
     model = TensorParallelDecoder(llama)
-    prepare_collectives(device, all_reduce=ALL_REDUCE)
-    compiled = torch.compile(model, backend=make_backend(device))
-    for batch in map(int, args.batches.split(",")):
-        for name, fn in (("tp2-cgcompile", compiled), ("tp2-eager", model)):
-            report(name, batch, step_s=step_seconds(fn, device, batch, args))
-    del compiled
-    torch._dynamo.reset()
-    for suffix, small_query in full_variants(device):
-        run_full(f"tp2-cgcompile-{suffix}", model, device, args, report, small_query)
+    sharded_variants(model, device, args, report, floor)
     del model
-    if dist.get_rank() == 0:
+    variants = args.tp_variants.split(",")
+    if dist.get_rank() == 0 and "tp1" in variants:
         single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
         for batch in map(int, args.batches.split(",")):
             report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
         torch._dynamo.reset()
-        for suffix, small_query in full_variants(device):
+        for suffix, small_query in full_variants(device) if "full" in variants else ():
             run_full(f"tp1-cgcompile-{suffix}", StaticMaskDecoder(llama), device, args, report, small_query)
     dist.barrier()
+
+
+def sharded_variants(model, device, args, report, floor):
+    """The TP=N variants of --tp-variants on `model` (this rank's TensorParallelDecoder)."""
+    tp, variants = f"tp{dist.get_world_size()}", args.tp_variants.split(",")
+    floor = functools.partial(floor, weight_bytes(model))
+    prepare_collectives(device, all_reduce=ALL_REDUCE)
+    compiled = torch.compile(model, backend=make_backend(device))
+    for batch in map(int, args.batches.split(",")):
+        for name, fn in ((f"{tp}-cgcompile", compiled), (f"{tp}-eager", model)):
+            if name.rpartition("-")[2] in variants:
+                step_s = step_seconds(fn, device, batch, args)
+                report(name, batch, step_s=step_s, **floor(step_s))
+    del compiled
+    torch._dynamo.reset()
+    for suffix, small_query in full_variants(device) if "full" in variants else ():
+        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads on this rank: every parameter but the
+    embedding table, of which a step reads only its batch's rows."""
+    return harness.parameter_bytes(model) - harness.parameter_bytes(model.embed)
+
+
+def floor_of(peak_gbs: float | None, nbytes: int, step_s: float) -> dict:
+    """The per-rank weight-bytes floor of a step and the step over it (CUDA only)."""
+    if not peak_gbs:
+        return {}
+    floor_ms = harness.floor_ms(nbytes, peak_gbs)
+    return {"weight_gb": round(nbytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
+            "over_floor": round(step_s * 1e3 / floor_ms, 2)}
+
+
+def build_shard(cfg, device, dtype):
+    """This rank's TensorParallelDecoder of `cfg` and nothing more: the whole model is built
+    and sharded on the meta device (no memory), then the shard is materialised on `device`
+    with random weights (ones for the norms) and caches filled to FILL positions."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = TensorParallelDecoder(Llama(cfg))
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(dist.get_rank())
+    for p in model.parameters():
+        p.fill_(1.0) if p.dim() == 1 else p.normal_(0.0, 0.02, generator=generator)
+    for layer in model.layers:
+        for cache in (layer.k_cache, layer.v_cache):
+            cache.zero_()
+            cache[:, :, :FILL].normal_(generator=generator)
+    return model
 
 
 def run_full(name, model, device, args, report, small_query):
@@ -253,6 +317,18 @@ def fast_all_reduce_us(x, device, args, per_step: int) -> float:
     return statistics.median(ms) * 1e3 / per_step
 
 
+def whole_model_parts(cfg, device, dtype, args, report, floor):
+    """--parts on a model every rank builds whole (each keeps its part of it)."""
+    llama = build_llama(cfg, device, dtype)
+    if "pp" in args.parts:
+        pipeline(llama, cfg, device, dtype, args, report)
+        llama.fill_caches(FILL)
+    if "tp" in args.parts:
+        tensor_parallel(llama, device, args, report, floor)
+    if "allreduce" in args.parts:
+        all_reduce_latency(cfg, device, dtype, args, report)
+
+
 def main():
     args = parse_args()
     global ALL_REDUCE
@@ -260,8 +336,14 @@ def main():
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []
     with torchrun_worker(args.device) as device:
+        peak_gbs = None
         if device.type == "cuda":
             use_length_independent_attention_kernels()
+            peak_gbs = harness.measure_peak_bandwidth(device)
+            if dist.get_rank() == 0:
+                print(json.dumps({"device_copy_gbs": round(peak_gbs, 1), "gpus": dist.get_world_size(),
+                                  "device_name": torch.cuda.get_device_name(device)}), flush=True)
+        floor = functools.partial(floor_of, peak_gbs)
         for model_name in args.models.split(","):
             cfg = CONFIGS[model_name]
 
@@ -272,15 +354,10 @@ def main():
                     print(json.dumps(row), flush=True)
 
             with torch.inference_mode():
-                llama = build_llama(cfg, device, dtype)
-                if "pp" in args.parts:
-                    pipeline(llama, cfg, device, dtype, args, report)
-                    llama.fill_caches(FILL)
-                if "tp" in args.parts:
-                    tensor_parallel(llama, device, args, report)
-                if "allreduce" in args.parts:
-                    all_reduce_latency(cfg, device, dtype, args, report)
-                del llama
+                if model_name in SHARD_ONLY:
+                    sharded_variants(build_shard(cfg, device, dtype), device, args, report, floor)
+                else:
+                    whole_model_parts(cfg, device, dtype, args, report, floor)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if dist.get_rank() == 0:
@@ -292,19 +369,29 @@ def main():
 
 def print_ratios(rows):
     def value(model, variant, batch, key):
-        return next((r[key] for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
+        return next((r.get(key) for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
 
+    tp = f"tp{dist.get_world_size()}"
     for model in dict.fromkeys(r["model"] for r in rows):
-        for batch in sorted({r["batch"] for r in rows if r["variant"] == "tp1-cgcompile" and r["model"] == model}):
-            tp2, eager, tp1 = (value(model, v, batch, "step_s") for v in ("tp2-cgcompile", "tp2-eager", "tp1-cgcompile"))
-            print(f"{model} batch {batch}: tp1-cgcompile/tp2-cgcompile {tp1 / tp2:.2f}x (target >= 1.6 at 8b batch 1), "
-                  f"tp2-eager/tp2-cgcompile {eager / tp2:.2f}x (target >= 4)")
+        for batch in sorted({r["batch"] for r in rows if r["variant"] == f"{tp}-cgcompile" and r["model"] == model}):
+            tpn, eager, tp1 = (value(model, v, batch, "step_s") for v in (f"{tp}-cgcompile", f"{tp}-eager", "tp1-cgcompile"))
+            over = value(model, f"{tp}-cgcompile", batch, "over_floor")
+            parts = [f"{tp}-cgcompile {tpn * 1e3:.3f} ms"]
+            if tp1:
+                parts.append(f"tp1-cgcompile/{tp}-cgcompile {tp1 / tpn:.2f}x (target at 8b batch 1: >= 1.6 at TP=2, "
+                             f">= 2.5 at TP=4)")
+            if eager:
+                parts.append(f"{tp}-eager/{tp}-cgcompile {eager / tpn:.2f}x (target >= 4)")
+            if over:
+                parts.append(f"{over:.2f}x the per-rank weight-bytes floor of "
+                             f"{value(model, f'{tp}-cgcompile', batch, 'floor_ms'):.3f} ms (target <= 1.3 at 70b TP=4)")
+            print(f"{model} batch {batch}: " + "; ".join(parts))
             for suffix in ("full", "full-sq"):
-                tp2_full, tp1_full = (value(model, f"tp{k}-cgcompile-{suffix}", batch, "step_s") for k in (2, 1))
-                if tp2_full and tp1_full:
-                    print(f"{model} batch {batch}, {suffix}: tp1/tp2 {tp1_full / tp2_full:.2f}x, fastest TP=1 / "
-                          f"fastest TP=2 {min(tp1, tp1_full) / min(tp2, tp2_full):.2f}x, "
-                          f"tp2-eager/tp2-cgcompile-{suffix} {eager / tp2_full:.2f}x")
+                tpn_full, tp1_full = (value(model, f"{t}-cgcompile-{suffix}", batch, "step_s") for t in (tp, "tp1"))
+                if tpn_full and tp1_full:
+                    print(f"{model} batch {batch}, {suffix}: tp1/{tp} {tp1_full / tpn_full:.2f}x, fastest TP=1 / "
+                          f"fastest {tp} {min(tp1, tp1_full) / min(tpn, tpn_full):.2f}x"
+                          + (f", {tp}-eager/{tp}-cgcompile-{suffix} {eager / tpn_full:.2f}x" if eager else ""))
         for batch in sorted({r["batch"] for r in rows if r["variant"] == "all-reduce" and r["model"] == model}):
             us = value(model, "all-reduce", batch, "us_per_all_reduce")
             fast = value(model, "all-reduce-fast", batch, "us_per_all_reduce")

@@ -1,0 +1,224 @@
+"""transformers' own tensor parallel compiled with cgcompile: a Llama loaded with
+`from_pretrained(path, tp_plan="auto")` (DTensor shards, one rank per GPU) in a greedy loop
+over a StaticCache, ms per token at TP=N against the same model on one GPU.
+
+    torchrun --nproc-per-node 2 benchmarks/hf_tp_bench.py --layers 8            # 8B shape, 8 layers, bf16
+    torchrun --nproc-per-node 2 benchmarks/hf_tp_bench.py --shape small --check  # fp32: tokens equal eager
+    torchrun --nproc-per-node 2 benchmarks/hf_tp_bench.py --device cpu --shape tiny --check --compiler eager
+                                                                                 # smoke test (gloo)
+
+Set-up: rank 0 builds the LlamaConfig's model with random weights on its device and saves it
+to --save-dir (kept: a later run with the same shape loads it; there is no hub), every rank
+waits at a barrier, then loads it with `tp_plan="auto"`. `model.forward` is compiled with
+`cgcompile.Backend(Config(all_reduce=...))` once per --all-reduce value (Dynamo reset in
+between). Rank 0 then loads the whole model alone (`device_map`) for the one-GPU numbers.
+
+Method: per variant, one untimed greedy run (compiles and captures), then --repeats timed
+runs; a run is the prompt, then --tokens decode steps; its ms per token is the wall time of
+the decode steps (device idle before, synchronised after) over their count; the median run
+is reported. The StaticCache of a variant is made once and reset between runs.
+--check compares the greedy tokens of every compiled variant with TP eager's and with the
+one-GPU eager model's ("tokens match: True"), meant for fp32 (--shape small/tiny).
+
+Targets (issue 41): tp1-cgcompile / tpN-cgcompile >= 1.5 at the 8B shape, TP=2.
+Rank 0 prints one JSON line per variant and the ratios at the end; --json writes them.
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import cgcompile  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from cgcompile.parallel.distributed import torchrun_worker  # noqa: E402
+from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
+
+SHAPES = {  # LlamaConfig fields
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256),
+    "small": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1536, vocab_size=32000),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256),
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    p.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's own)")
+    p.add_argument("--all-reduce", default="auto,nccl", help="Config.all_reduce values to compare")
+    p.add_argument("--prompt", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32, help="decode steps of a run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--check", action="store_true", help="fp32, tokens compared with eager")
+    p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
+                   help="Config.compiler (the all-reduces only DTensor's dispatch shows need inductor)")
+    p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def model_config(args):
+    from transformers import LlamaConfig
+
+    fields = dict(SHAPES[args.shape])
+    if args.layers:
+        fields["num_hidden_layers"] = args.layers
+    return LlamaConfig(**fields, max_position_embeddings=4096)
+
+
+def saved_model(args, cfg, dtype, device) -> str:
+    """The model's folder: rank 0 saves random weights there unless a finished save exists."""
+    path = args.save_dir or (f"/tmp/cgcompile-hf-tp/{args.shape}-{cfg.num_hidden_layers}l-"
+                             f"{str(dtype).removeprefix('torch.')}")
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(path, "saved.ok")):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        seconds, _ = harness.wall_s(lambda: _save(AutoModelForCausalLM, cfg, dtype, device, path), device)
+        harness.log(f"saved {cfg.num_hidden_layers} layers ({args.shape} shape) to {path} in {seconds:.0f} s")
+    dist.barrier()
+    return path
+
+
+def _save(auto, cfg, dtype, device, path):
+    with torch.device(device):  # random init on the device: no CPU copy of the whole model
+        model = auto.from_config(cfg, dtype=dtype)
+    model.save_pretrained(path)
+    open(os.path.join(path, "saved.ok"), "w").close()
+
+
+@torch.no_grad()
+def greedy(forward, cache, prompt, tokens: int, device) -> tuple[torch.Tensor, float]:
+    """([1, tokens] greedy tokens, ms per decode step) from a reset `cache`."""
+    cache.reset()
+    logits = forward(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    out = [token]
+    harness.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(tokens - 1):
+        logits = forward(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(token)
+    harness.synchronize(device)
+    return torch.cat(out, dim=1), (time.perf_counter() - t0) * 1e3 / max(tokens - 1, 1)
+
+
+def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float]:
+    """(tokens, median ms per token) over --repeats runs after one untimed run."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens)
+    greedy(forward, cache, prompt, args.tokens, device)
+    runs = [greedy(forward, cache, prompt, args.tokens, device) for _ in range(args.repeats)]
+    return runs[0][0], statistics.median(ms for _, ms in runs)
+
+
+def compiled_variants(model, prompt, args, device, report):
+    """Each Config.all_reduce of --all-reduce: `model.forward` compiled with cgcompile."""
+    eager_forward = model.forward
+    for all_reduce in args.all_reduce.split(","):
+        torch._dynamo.reset()
+        backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
+                                                     capture_error_mode="thread_local"))
+        model.forward = torch.compile(eager_forward, backend=backend)
+        tokens, ms = measure(model.forward, model, prompt, args, device)
+        report(f"{args.prefix}-cgcompile", all_reduce, ms, tokens, graphs_captured=backend.stats.graphs_captured)
+        model.forward = eager_forward
+    torch._dynamo.reset()
+
+
+def tensor_parallel(path, dtype, prompt, args, device, report):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype).eval()
+    compiled_variants(model, prompt, args, device, report)
+    tokens, ms = measure(model.forward, model, prompt, args, device)
+    report(f"{args.prefix}-eager", "-", ms, tokens)
+    del model
+    harness.release_memory(device)
+    dist.barrier()
+
+
+def one_gpu(path, dtype, prompt, args, device, report):
+    """Rank 0 alone: the whole model on its device, compiled and eager."""
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval()
+        prefix, args.prefix, args.all_reduce = args.prefix, "tp1", "auto"
+        compiled_variants(model, prompt, args, device, report)
+        if args.check:
+            tokens, ms = measure(model.forward, model, prompt, args, device)
+            report("tp1-eager", "-", ms, tokens)
+        args.prefix = prefix
+        del model
+        harness.release_memory(device)
+    dist.barrier()
+
+
+def print_summary(rows, args):
+    def ms(variant, all_reduce):
+        return next((r["ms_per_token"] for r in rows if (r["variant"], r["all_reduce"]) == (variant, all_reduce)), None)
+
+    single = ms("tp1-cgcompile", "auto")
+    for all_reduce in args.all_reduce.split(","):
+        tp = ms(f"{args.prefix}-cgcompile", all_reduce)
+        if tp and single:
+            print(f"{args.prefix}-cgcompile all_reduce={all_reduce}: {tp:.3f} ms/token; tp1-cgcompile {single:.3f}; "
+                  f"tp1/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
+    eager = ms(f"{args.prefix}-eager", "-")
+    if eager:
+        print(f"{args.prefix}-eager: {eager:.3f} ms/token")
+    if args.check:
+        reference = [r["tokens"] for r in rows if r["variant"].endswith("-eager")]
+        print(f"tokens match: {all(r['tokens'] == reference[0] for r in rows)}")
+    kinds = collections.Counter((r.level, r.kind) for r in all_reduce_report().sites)
+    print("all-reduce sites (level, path): " + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())))
+
+
+def main():
+    args = parse_args()
+    dtype = torch.float32 if args.check or args.device == "cpu" else torch.bfloat16
+    rows = []
+    with torchrun_worker(args.device) as device:
+        args.prefix = f"tp{dist.get_world_size()}"
+        cfg = model_config(args)
+
+        def report(variant, all_reduce, ms, tokens, **extra):
+            row = {"shape": args.shape, "layers": cfg.num_hidden_layers, "variant": variant,
+                   "all_reduce": all_reduce, "ms_per_token": round(ms, 4), "tokens": tokens.flatten().tolist(), **extra}
+            rows.append(row)
+            if dist.get_rank() == 0:
+                print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+
+        path = saved_model(args, cfg, dtype, device)
+        prompt = (torch.arange(args.prompt, device=device) * 7 + 1).remainder(cfg.vocab_size).unsqueeze(0)
+        tensor_parallel(path, dtype, prompt, args, device, report)
+        one_gpu(path, dtype, prompt, args, device, report)
+        if dist.get_rank() == 0:
+            print_summary(rows, args)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
