@@ -92,6 +92,25 @@ class _CacheWrite(torch.nn.Module):
 
 KNOWN_BUGS = ()
 
+
+class _AccumulateIntoAnInput(torch.nn.Module):
+    def forward(self, x, out):  # x, out: [n, 8]; returns nothing
+        torch.ops.cgcompile_testing.silly_accumulate(out, x * 2.0)  # its one effect: a write into out
+
+
+SINKS = frozenset(p.name for p in fuzz.PRODUCTIONS if p.family == "sink")
+
+# The breakable path's (`Setup(path="breakable")`); each model shows the bug over three
+# calls of n=3 (observe, capture, replay).
+BREAKABLE_KNOWN_BUGS = (
+    KnownBug(
+        "a split op's write into an input the model is handed is applied twice on the calls "
+        "that observe and capture a size (the replays are right)",
+        (SINKS,),
+        (_AccumulateIntoAnInput,),
+    ),
+)
+
 FIXED_BUGS = (
     KnownBug(
         "an in-place write into a piece's input (an intermediate an earlier piece produced) "
@@ -190,9 +209,6 @@ def test_every_production_is_reachable():
     assert {p.mode for p in programs} == set(MODES)
     assert {p.layout for p in programs} == set(LAYOUTS)
     assert {p.returns for p in programs} == set(RETURNS)
-
-
-SINKS = {p.name for p in fuzz.PRODUCTIONS if p.family == "sink"}
 
 
 def test_sinks_end_programs_and_write_only_into_the_input_made_for_them():
@@ -327,8 +343,14 @@ def test_whole_graph_compiles_on_cpu_agree_with_eager():
 def test_breakable_graphs_on_cpu_agree_with_eager():
     """The breakable path (op_replay segments), exact sizes, each size observed, captured
     and replayed, every call with its own data. No known bugs apply to it."""
-    known, new, _, _ = _fuzz(range(400), fuzz.Setup(device="cpu", padding=None, path="breakable"), bugs=())
-    assert not known and not new, "reproducers:\n\n" + "\n\n".join(new)
+    _assert_only_known_breakable_bugs(range(400), fuzz.Setup(device="cpu", padding=None, path="breakable"))
+
+
+def _assert_only_known_breakable_bugs(seeds, setup: fuzz.Setup) -> None:
+    known, new, _, _ = _fuzz(seeds, setup, bugs=BREAKABLE_KNOWN_BUGS)
+    assert not new, f"{len(new)} failures outside BREAKABLE_KNOWN_BUGS; reproducers:\n\n" + "\n\n".join(new)
+    if known:
+        pytest.xfail(f"{len(known)} of {len(seeds)} cases fail, all through BREAKABLE_KNOWN_BUGS:\n" + "\n".join(known))
 
 
 # Row-local programs whose split ops keep rows apart too (silly_pair's second result mixes
@@ -338,9 +360,7 @@ BREAKABLE_PADDED_SEEDS = [s for s in range(1200) if fuzz.generate(s).mode == "ro
 
 
 def test_padded_breakable_graphs_on_cpu_agree_with_eager_where_rows_never_mix():
-    setup = fuzz.Setup(device="cpu", padding=True, path="breakable")
-    known, new, _, _ = _fuzz(BREAKABLE_PADDED_SEEDS, setup, bugs=())
-    assert not known and not new, "reproducers:\n\n" + "\n\n".join(new)
+    _assert_only_known_breakable_bugs(BREAKABLE_PADDED_SEEDS, fuzz.Setup(device="cpu", padding=True, path="breakable"))
 
 
 def _compiled_matches_eager_at_a_padded_size(make: Callable[[], Callable]) -> None:
@@ -364,6 +384,22 @@ def test_known_bug_reproduces(make):
 @pytest.mark.parametrize("make", _models(FIXED_BUGS))
 def test_fixed_bug_stays_fixed(make):
     _compiled_matches_eager_at_a_padded_size(make)
+
+
+@pytest.mark.parametrize("make", _models(BREAKABLE_KNOWN_BUGS))
+@pytest.mark.xfail(strict=True, reason="a known bug (BREAKABLE_KNOWN_BUGS); this passes, and so fails, once fixed")
+def test_known_breakable_bug_reproduces(make):
+    config = fuzz.Setup(device="cpu", padding=None, path="breakable").config()
+    model, reference = make(), make()
+    manager = cgcompile.GraphManager(model, config, boundary=None, segments="op_replay")
+    with torch.no_grad():
+        for call in range(3):  # observe, capture, replay
+            x, out, want = torch.randn(3, 8) * (call + 1), torch.ones(3, 8), torch.ones(3, 8)
+            for t in (x, out):
+                torch._dynamo.mark_dynamic(t, 0)
+            manager.run_pw_graph(model, (x, out))
+            reference(x, want)
+            torch.testing.assert_close(out, want)
 
 
 def test_a_cached_inductor_piece_keeps_its_guards():
@@ -417,8 +453,7 @@ def test_cuda_fused_sibling_linears_agree_with_eager():
 
 @pytest.mark.cuda
 def test_cuda_breakable_graphs_agree_with_eager():
-    known, new, _, _ = _fuzz(range(0, 1000, 2), fuzz.Setup(device="cuda", padding=None, path="breakable"), bugs=())
-    assert not known and not new, "reproducers:\n\n" + "\n\n".join(new)
+    _assert_only_known_breakable_bugs(range(0, 1000, 2), fuzz.Setup(device="cuda", padding=None, path="breakable"))
 
 
 @pytest.mark.cuda
