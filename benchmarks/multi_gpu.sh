@@ -1,40 +1,90 @@
 #!/usr/bin/env bash
-# The multi-GPU checks of docs/parallel.md on N local GPUs, each command under 8 minutes:
+# The multi-GPU checks of docs/parallel.md on N local GPUs (N=2 or 4), within one time budget:
 #   N=2 OUT=/tmp/out bash benchmarks/multi_gpu.sh
-# 1. the GPU tests of tests/parallel (2 ranks each), 2. one captured all-reduce, NCCL against
-# the fast path (benchmarks/all_reduce_bench.py), 3. the tensor-parallel decode step at the 8B
-# shape, fast path against NCCL (Config.all_reduce) and TP=1 (benchmarks/distributed_bench.py).
-# Logs and JSON go to $OUT; a short table ends the output. NVLink multicast stays off.
+#   N=4 OUT=/tmp/out bash benchmarks/multi_gpu.sh
+# Steps, most important first (STEPS="a b ..." picks some; the default is every step for N):
+#   tests          pytest -m cuda tests/parallel (2 ranks each)
+#   all_reduce     one captured all-reduce on N ranks, NCCL against the fast path
+#   tp_8b_n2_auto  8B decode step, TP=2 and TP=1 (rank 0), batch 1 and 8, fast all-reduce
+#   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
+#   tp_70b_n4      (N=4) 70B-class shape at TP=4 (each rank builds its shard), against the
+#                  per-rank weight-bytes floor
+#   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
+#                  checkpoint takes minutes to save and load), bf16: TP=2 with
+#                  Config.all_reduce auto and nccl against the same model on one GPU
+#   hf_check_n2    the same at a small shape in fp32: tokens match eager
+#   tp_8b_n2_nccl  the TP=2 step with Config.all_reduce="nccl"
+#   hf_tp_n4, tp_8b_n4_nccl   (N=4) the tp_plan benchmark at TP=4; the TP=4 step on NCCL
+# BUDGET (seconds, default 540) bounds the whole run: each step runs under `timeout` of its
+# own limit or of what is left, and is skipped with less than 45 s left. Logs and JSON go to
+# $OUT; a summary table ends the output. NVLink multicast stays off.
 set -u
 N=${N:-2}
 OUT=${OUT:-/tmp/cgcompile-multi-gpu}
 PY=${PY:-python}
+BUDGET=${BUDGET:-540}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
 declare -A STATUS
+ORDER=()
 
-run() {  # run NAME COMMAND...: under an 8-minute limit, output to $OUT/NAME.log
-  local name=$1; shift
+TORCHRUN=("$PY" -m torch.distributed.run --standalone)
+TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,tp1
+      --steps 20 --warmup 3)
+HF=(benchmarks/hf_tp_bench.py --shape 8b --layers 8 --tokens 32 --repeats 3)
+
+run() {  # run NAME LIMIT COMMAND...: under min(LIMIT, budget left) seconds, output to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  ORDER+=("$name")
+  local left=$((BUDGET - SECONDS))
+  if ((left < 45)); then STATUS[$name]="skipped: ${left}s of the budget left"; echo "== $name: ${STATUS[$name]}"; return; fi
+  ((limit > left)) && limit=$left
   local start=$SECONDS
-  timeout 480 "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  STATUS[$name]="rc=$rc $((SECONDS - start))s"
+  STATUS[$name]="rc=$rc $((SECONDS - start))s$( ((rc == 124 || rc == 137)) && echo " (timed out at ${limit}s)")"
   echo "== $name: ${STATUS[$name]}"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 8 "$OUT/$name.log"
 }
 
-run tests "$PY" -m pytest -q -m cuda tests/parallel -p no:cacheprovider
-run all_reduce "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/all_reduce_bench.py \
+step() {  # step NAME: run it if STEPS names it (or STEPS is unset)
+  [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]
+}
+
+step tests && run tests 200 "$PY" -m pytest -q -m cuda tests/parallel -p no:cacheprovider
+step all_reduce && run all_reduce 90 "${TORCHRUN[@]}" --nproc-per-node "$N" benchmarks/all_reduce_bench.py \
     --json "$OUT/all_reduce.json"
-for AR in auto nccl; do
-  run "tp_8b_$AR" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$N" benchmarks/distributed_bench.py \
-      --models 8b --batches 1,8 --parts tp,allreduce --all-reduce "$AR" --json "$OUT/tp_8b_$AR.json"
-done
+step tp_8b_n2_auto && run tp_8b_n2_auto 150 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
+    --json "$OUT/tp_8b_n2_auto.json"
+if ((N >= 4)); then
+  step tp_8b_n4_auto && run tp_8b_n4_auto 150 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
+      --json "$OUT/tp_8b_n4_auto.json"
+  step tp_70b_n4 && run tp_70b_n4 200 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
+      --models 70b --batches 1,8 --parts tp --tp-variants cgcompile --steps 20 --warmup 3 --json "$OUT/tp_70b_n4.json"
+fi
+step hf_tp_n2 && run hf_tp_n2 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --json "$OUT/hf_tp_n2.json"
+step hf_check_n2 && run hf_check_n2 120 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
+    --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
+step tp_8b_n2_nccl && run tp_8b_n2_nccl 150 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \
+    --json "$OUT/tp_8b_n2_nccl.json"
+if ((N >= 4)); then
+  step hf_tp_n4 && run hf_tp_n4 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${HF[@]}" --json "$OUT/hf_tp_n4.json"
+  step tp_8b_n4_nccl && run tp_8b_n4_nccl 150 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce nccl \
+      --json "$OUT/tp_8b_n4_nccl.json"
+fi
 
 echo
-echo "== summary (N=$N, logs in $OUT)"
-for name in tests all_reduce tp_8b_auto tp_8b_nccl; do printf '%-12s %s\n' "$name" "${STATUS[$name]:-not run}"; done
-grep -h "passed\|failed" "$OUT/tests.log" | tail -n 1
-sed -n '/^group choice/,$p' "$OUT/all_reduce.log"
-for AR in auto nccl; do echo "-- TP step, all_reduce=$AR"; grep -h "/" "$OUT/tp_8b_$AR.log" | grep -v "^{" | tail -n 6; done
+echo "== summary (N=$N, ${SECONDS}s of a ${BUDGET}s budget, logs in $OUT)"
+for name in "${ORDER[@]}"; do printf '%-14s %s\n' "$name" "${STATUS[$name]}"; done
+for name in "${ORDER[@]}"; do
+  log="$OUT/$name.log"
+  [[ -f $log ]] || continue
+  echo "-- $name"
+  case $name in
+    tests) grep -h "passed\|failed" "$log" | tail -n 1 ;;
+    all_reduce) sed -n '/^group choice/,$p' "$log" | head -n 12 ;;
+    tp_*) grep -h "batch\|device_copy_gbs" "$log" | grep -v '^{"model' | tail -n 8 ;;
+    hf_*) grep -h "ms/token\|tokens match\|all-reduce sites\|saved" "$log" | tail -n 8 ;;
+  esac
+done

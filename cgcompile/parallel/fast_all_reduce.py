@@ -126,8 +126,8 @@ def _by_choice(site: AllReduceSite, choice: AllReduceChoice) -> tuple[str, str]:
 
 
 def _mesh_groups(gm: torch.fx.GraphModule) -> list:
-    """The process groups of every DTensor device mesh the graph holds: as an input's value
-    (a sharded parameter) or as an argument (`DTensor.from_local(x, mesh, ...)`)."""
+    """The process groups of every DTensor device mesh the graph holds: a sharded value's
+    mesh, a mesh input (a closure's), or a mesh argument (`DTensor.from_local(x, mesh, ...)`)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -135,7 +135,7 @@ def _mesh_groups(gm: torch.fx.GraphModule) -> list:
     meshes = {}
     for node in gm.graph.nodes:
         value = example_value(node)
-        found = [value.device_mesh] if isinstance(value, DTensor) else []
+        found = [value.device_mesh] if isinstance(value, DTensor) else [value]
         for mesh in map(_real_mesh, [*found, *node.args, *node.kwargs.values()]):
             if mesh is not None:
                 meshes.setdefault(id(mesh), mesh)

@@ -45,6 +45,19 @@ def test_distributed_bench_runs_end_to_end_on_two_gloo_ranks():
     assert all(row["full_graph_calls"].split("/")[0] != "0" for row in full), out  # the full path ran
 
 
+def test_hf_tp_bench_tokens_equal_eager_on_two_gloo_ranks(tmp_path):
+    """The tp_plan benchmark's smoke test: transformers' own tensor parallel (DTensor) on gloo,
+    compiled with cgcompile; every variant reports and the greedy tokens equal eager's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+    out = torchrun(ROOT / "benchmarks" / "hf_tp_bench.py", "--device", "cpu", "--shape", "tiny", "--check",
+                   "--compiler", "eager", "--tokens", "6", "--repeats", "1", "--save-dir", str(tmp_path / "model"),
+                   timeout=300)
+    variants = {json.loads(line)["variant"] for line in out.splitlines() if line.startswith("{")}
+    assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "tp1-eager"}, out
+    assert "tokens match: True" in out.splitlines(), out
+
+
 # -- one process ---------------------------------------------------------------------------
 
 
