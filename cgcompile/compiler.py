@@ -48,7 +48,7 @@ import torch
 from .compat import (free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
                      value_range_within)
 from .ops import call_without_cudnn_attention
-from .parallel.inductor_all_reduce import with_all_reduce_pass
+from .parallel.inductor_all_reduce import all_reduce_pass, compiling_with
 from .passes import PieceSpec, example_value, free_symbols, lower_small_query_attention
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,9 @@ class PieceCompiler:
     specialised_compilations / specialise_s: compiles at one of `compile_sizes` (with
     compiler="eager" too: a retrace at that size), and the wall seconds they took, the
     warm-up that `compile_sizes` adds.
-    all_reduce: `Config.all_reduce`; "auto" adds the post-grad pass that routes the aten
-        graph's all-reduces (`parallel.inductor_all_reduce`) to Inductor's options.
+    all_reduce: `Config.all_reduce`; "auto" compiles every piece with the post-grad pass
+        that routes the aten graph's all-reduces (`parallel.inductor_all_reduce`) in
+        Inductor's config, and keys the compiles by it.
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
@@ -183,8 +184,9 @@ class PieceCompiler:
                  all_reduce: str = "nccl"):
         self.compiler = compiler
         self.compile_sizes = frozenset(compile_sizes)
-        self.inductor_options = with_all_reduce_pass(dict(inductor_options or {}), all_reduce)
+        self.inductor_options = dict(inductor_options or {})
         self.size_options = {**self.inductor_options, **(size_options or {})}
+        self.all_reduce_pass = all_reduce_pass(self.inductor_options, all_reduce)
         self.cache = CompileCache()
 
     @property
@@ -208,7 +210,7 @@ class PieceCompiler:
             log.info("cgcompile: %s keeps its general compile at every size: %s", spec.name, probe)
             return general
         # A compile at one size holds whatever the graph assumes about sizes.
-        key = piece_key(spec, "piece at size", self.size_options)
+        key = piece_key(spec, "piece at size", self._keyed(self.size_options))
         gm, name = spec.graph, spec.name
         return SizeSpecialised(general, probe, self.compile_sizes,
                                lambda size, args: self._at_size(key, gm, name, size, args))
@@ -217,8 +219,9 @@ class PieceCompiler:
         if self.compiler == "eager":
             return spec.graph
         values = [example_value(n) for n in spec.inputs]
-        key = piece_key(spec, "piece", self.inductor_options)
-        return self.cache.get(key, lambda: compile_keeping_guards(spec.graph, values, self.inductor_options),
+        key = piece_key(spec, "piece", self._keyed(self.inductor_options))
+        return self.cache.get(key, lambda: self._inductor(compile_keeping_guards, spec.graph, values,
+                                                          self.inductor_options),
                               what=f"piece {spec.name}", assumed=lambda: _size_assumptions(values))
 
     def _at_size(self, key: CompileKey, gm: torch.fx.GraphModule, name: str, size: int, args: Sequence) -> Callable:
@@ -226,8 +229,18 @@ class PieceCompiler:
         if self.compiler == "eager":
             make = lambda: trace_at_size(gm, args)  # noqa: E731
         else:
-            make = lambda: inductor_compile(gm, list(args), self.size_options)  # noqa: E731
+            make = lambda: self._inductor(inductor_compile, gm, list(args), self.size_options)  # noqa: E731
         return self.cache.get(dataclasses.replace(key, size=size), make, what=f"piece {name} at size {size}")
+
+
+    def _inductor(self, compile_fn: Callable, *args) -> Callable:
+        """compile_fn(*args) with the all-reduce post-grad pass in Inductor's config."""
+        with compiling_with(self.all_reduce_pass):
+            return compile_fn(*args)
+
+    def _keyed(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The options a compile is keyed by: with the pass (its recorded choices) where there is one."""
+        return options if self.all_reduce_pass is None else {**options, "all_reduce_pass": self.all_reduce_pass}
 
 
 def describe_input(value) -> str:

@@ -20,9 +20,10 @@ NCCL all-reduce directly: there the fast path needs Inductor pieces.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -65,15 +66,29 @@ def _sources_hash() -> str:
     return get_hash_for_files(tuple(m.__file__ for m in modules)).hex()
 
 
-def with_all_reduce_pass(options: dict[str, Any], all_reduce: str) -> dict[str, Any]:
-    """Inductor `options` with the post-grad pass added where `Config.all_reduce` is "auto".
-    A post-grad pass the user set is kept (torch runs one), and the aten-level route is off."""
+def all_reduce_pass(options: dict[str, Any], all_reduce: str) -> RouteCompiledAllReduces | None:
+    """The post-grad pass piece compiles run under where `Config.all_reduce` is "auto"; None
+    for "nccl", or where the user's Inductor `options` set their own post-grad pass (torch
+    runs one): then the aten-level route is off, with a warning."""
     if all_reduce == NCCL:
-        return dict(options)
+        return None
     if options.get(POST_GRAD_PASS) is not None:
         _warn_user_pass_kept()
-        return dict(options)
-    return {**options, POST_GRAD_PASS: RouteCompiledAllReduces()}
+        return None
+    return RouteCompiledAllReduces()
+
+
+@contextlib.contextmanager
+def compiling_with(route: RouteCompiledAllReduces | None) -> Iterator[None]:
+    """Inductor's config with `route` as its post-grad pass, for the compiles inside (the
+    user's options, which compile_fx patches in its turn, come on top)."""
+    if route is None:
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({POST_GRAD_PASS: route}):
+        yield
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from cgcompile.parallel.all_reduce_choice import (
 )
 from cgcompile.compiler import PieceCompiler
 from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route_graph_all_reduces
-from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, with_all_reduce_pass
+from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, all_reduce_pass
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.fast_all_reduce import find_all_reduces, op_name, route_all_reduces
 from parallel_launch import ROOT, torchrun
@@ -192,11 +192,20 @@ def test_the_inductor_pass_keys_the_cache_by_the_recorded_choices():
 
 
 def test_pieces_compile_with_the_pass_unless_all_reduce_is_nccl():
-    assert isinstance(PieceCompiler("inductor", all_reduce="auto").inductor_options[POST_GRAD_PASS],
-                      RouteCompiledAllReduces)
-    assert POST_GRAD_PASS not in PieceCompiler("inductor", all_reduce="nccl").inductor_options
+    assert isinstance(PieceCompiler("inductor", all_reduce="auto").all_reduce_pass, RouteCompiledAllReduces)
+    assert PieceCompiler("inductor", all_reduce="nccl").all_reduce_pass is None
     mine = RouteCompiledAllReduces(GroupRegistry())
-    assert with_all_reduce_pass({POST_GRAD_PASS: mine}, "auto")[POST_GRAD_PASS] is mine  # the user's pass is kept
+    assert all_reduce_pass({POST_GRAD_PASS: mine}, "auto") is None  # the user's own pass is kept
+
+
+def test_the_pass_is_in_inductors_config_during_a_piece_compile(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    seen = []
+    compiler = PieceCompiler("inductor", all_reduce="auto")
+    monkeypatch.setattr(inductor_config, POST_GRAD_PASS, None)
+    compiler._inductor(lambda: seen.append(getattr(inductor_config, POST_GRAD_PASS)))
+    assert seen == [compiler.all_reduce_pass] and getattr(inductor_config, POST_GRAD_PASS) is None
 
 
 # -- 2 ranks ------------------------------------------------------------------------------
