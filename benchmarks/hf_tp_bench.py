@@ -131,16 +131,16 @@ def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float]:
     return runs[0][0], statistics.median(ms for _, ms in runs)
 
 
-def compiled_variants(model, prompt, args, device, report):
-    """Each Config.all_reduce of --all-reduce: `model.forward` compiled with cgcompile."""
+def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
+    """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`."""
     eager_forward = model.forward
-    for all_reduce in args.all_reduce.split(","):
+    for all_reduce in all_reduces:
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local"))
         model.forward = torch.compile(eager_forward, backend=backend)
         tokens, ms = measure(model.forward, model, prompt, args, device)
-        report(f"{args.prefix}-cgcompile", all_reduce, ms, tokens, graphs_captured=backend.stats.graphs_captured)
+        report(f"{prefix}-cgcompile", all_reduce, ms, tokens, graphs_captured=backend.stats.graphs_captured)
         model.forward = eager_forward
     torch._dynamo.reset()
 
@@ -149,7 +149,7 @@ def tensor_parallel(path, dtype, prompt, args, device, report):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype).eval()
-    compiled_variants(model, prompt, args, device, report)
+    compiled_variants(model, prompt, args, device, report, args.prefix, args.all_reduce.split(","))
     tokens, ms = measure(model.forward, model, prompt, args, device)
     report(f"{args.prefix}-eager", "-", ms, tokens)
     del model
@@ -163,12 +163,10 @@ def one_gpu(path, dtype, prompt, args, device, report):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval()
-        prefix, args.prefix, args.all_reduce = args.prefix, "tp1", "auto"
-        compiled_variants(model, prompt, args, device, report)
+        compiled_variants(model, prompt, args, device, report, "tp1", ["auto"])  # no all-reduce on one GPU
         if args.check:
             tokens, ms = measure(model.forward, model, prompt, args, device)
             report("tp1-eager", "-", ms, tokens)
-        args.prefix = prefix
         del model
         harness.release_memory(device)
     dist.barrier()
@@ -190,8 +188,10 @@ def print_summary(rows, args):
     if args.check:
         reference = [r["tokens"] for r in rows if r["variant"].endswith("-eager")]
         print(f"tokens match: {all(r['tokens'] == reference[0] for r in rows)}")
-    kinds = collections.Counter((r.level, r.kind) for r in all_reduce_report().sites)
-    print("all-reduce sites (level, path): " + ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())))
+    report = all_reduce_report()
+    kinds = collections.Counter((r.level, r.kind) for r in report.sites)
+    print("all-reduce sites (level, path): " + (", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())) or "none"))
+    print("all-reduce calls by group and path (eager calls and captures): " + json.dumps(report.calls))
 
 
 def main():
