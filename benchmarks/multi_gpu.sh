@@ -54,7 +54,7 @@ step() {  # step NAME: run it if STEPS names it (or STEPS is unset)
   [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]
 }
 
-step tests && run tests 300 "$PY" -m pytest -q -m cuda tests/parallel -p no:cacheprovider
+step tests && run tests 400 "$PY" -m pytest -q -m cuda tests/parallel -p no:cacheprovider
 step all_reduce && run all_reduce 90 "${TORCHRUN[@]}" --nproc-per-node "$N" benchmarks/all_reduce_bench.py \
     --json "$OUT/all_reduce.json"
 step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
