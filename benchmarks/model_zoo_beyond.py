@@ -17,10 +17,13 @@ is compared with the same model uncompiled. Each call is one row. The size is:
                      segmentation    images [N, 3, 64, 64]: DeepLabV3 and LR-ASPP (MobileNetV3),
                                      FCN (ResNet-50)
                      video           clips [N, 3, 4, 32, 32]: r3d_18, mc3_18
-                     optical flow    two images [N, 3, 64, 64]: RAFT small, 4 flow updates
+                     optical flow    two images [N, 3, 128, 128] (RAFT's smallest: its
+                                     correlation pyramid needs 16x16 features at 1/8 scale):
+                                     RAFT small, 2 flow updates
     torchaudio       audio           waveforms [N, 1600] with lengths (row i is 160 * (i % 8)
-                                     samples shorter): wav2vec2, HuBERT, WavLM (2 layers,
-                                     hidden 64); features [N, 20, 32] with lengths: Conformer,
+                                     samples shorter): wav2vec2, HuBERT (2 layers, hidden 64);
+                                     WavLM likewise but without lengths (its attention takes
+                                     no padding mask); features [N, 20, 32] with lengths: Conformer,
                                      Emformer (segments of 4, right context 2); ConvTasNet on
                                      [N, 1, 800]; DeepSpeech on spectrograms [N, 1, 20, 32]
     torch_geometric  graph           N random graphs of 6 to 12 nodes (16 features, two edges a
@@ -113,8 +116,10 @@ def clips(size: int, g: torch.Generator) -> tuple:
     return (torch.randn(size, 3, 4, 32, 32, generator=g),)
 
 
-def image_pairs(size: int, g: torch.Generator) -> tuple:
-    return (torch.rand(size, 3, 64, 64, generator=g), torch.rand(size, 3, 64, 64, generator=g))
+def image_pairs(size: int, g: torch.Generator, side: int = 128) -> tuple:
+    """RAFT downsamples by 8 and its correlation pyramid halves 3 more times from at least
+    16x16, so 128 pixels is the smallest side it takes."""
+    return (torch.rand(size, 3, side, side, generator=g), torch.rand(size, 3, side, side, generator=g))
 
 
 def shorter_rows(size: int, full: int, step: int) -> torch.Tensor:
@@ -124,6 +129,12 @@ def shorter_rows(size: int, full: int, step: int) -> torch.Tensor:
 
 def waveforms(size: int, g: torch.Generator) -> tuple:
     return torch.randn(size, 1600, generator=g), shorter_rows(size, 1600, 160)
+
+
+def full_waveforms(size: int, g: torch.Generator) -> tuple:
+    """Waveforms without lengths: lengths become an attention mask, which WavLM's attention
+    rejects (`assert attention_mask is None` in torchaudio's wavlm_attention.py)."""
+    return (torch.randn(size, 1600, generator=g),)
 
 
 def features(size: int, g: torch.Generator, frames: int = 20) -> tuple:
@@ -188,7 +199,7 @@ def tiny_vit() -> torch.nn.Module:
 
 
 def raft_small() -> torch.nn.Module:
-    return Bound(tv("optical_flow", "raft_small")(), num_flow_updates=4)
+    return Bound(tv("optical_flow", "raft_small")(), num_flow_updates=2)  # the update loop unrolls: fewer compile faster
 
 
 _W2V = dict(extractor_conv_layer_config=[(32, 10, 5), (32, 3, 2)], extractor_conv_bias=False,
@@ -279,7 +290,7 @@ ENTRIES = [
         "wav2vec2_model", extractor_mode="group_norm", encoder_layer_norm_first=False, **_W2V), waveforms),
     Entry("wavlm", "torchaudio", "audio", audio(
         "wavlm_model", extractor_mode="group_norm", encoder_layer_norm_first=False, encoder_num_buckets=32,
-        encoder_max_distance=64, **_W2V), waveforms),
+        encoder_max_distance=64, **_W2V), full_waveforms),
     Entry("conformer", "torchaudio", "audio", audio(
         "Conformer", input_dim=32, num_heads=4, ffn_dim=64, num_layers=2, depthwise_conv_kernel_size=7), features),
     Entry("emformer", "torchaudio", "audio", audio(

@@ -99,3 +99,16 @@ def test_list_names_every_model(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [e.name for e in beyond.ENTRIES]
     assert {e.family for e in beyond.ENTRIES} == set(beyond.FAMILIES)
+
+
+@pytest.mark.parametrize("name", [entry.name for entry in beyond.ENTRIES])
+def test_every_model_runs_eagerly_on_its_zoo_inputs(name, one_thread):
+    """The zoo's inputs suit each model (RAFT's smallest images, WavLM without lengths):
+    an input the model rejects would fail every row before cgcompile is reached."""
+    entry = beyond.BY_NAME[name]
+    pytest.importorskip(entry.family)
+    model = beyond.build(entry, CPU)
+    row = beyond.Row(name, entry.kind, 3, call=0)
+    with torch.inference_mode():
+        output = model(*beyond.make_inputs(entry, row, CPU))
+    assert any(t.numel() for t in beyond.zoo.output_tensors(output))
