@@ -199,7 +199,8 @@ def tiny_vit() -> torch.nn.Module:
 
 
 def raft_small() -> torch.nn.Module:
-    return Bound(tv("optical_flow", "raft_small")(), num_flow_updates=2)  # the update loop unrolls: fewer compile faster
+    # The flow-update loop unrolls into the graph: two updates compile in half the time of four.
+    return Bound(tv("optical_flow", "raft_small")(), num_flow_updates=2)
 
 
 _W2V = dict(extractor_conv_layer_config=[(32, 10, 5), (32, 3, 2)], extractor_conv_bias=False,
