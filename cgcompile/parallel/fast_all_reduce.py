@@ -29,6 +29,7 @@ runs no collective, since Inductor's caches may serve one rank and not another.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable
 
@@ -141,9 +142,21 @@ def _mesh_groups(gm: torch.fx.GraphModule) -> list:
                 meshes.setdefault(id(mesh), mesh)
     groups = {}
     for mesh in meshes.values():
-        for group in mesh.get_all_groups():
+        try:
+            mesh_groups = mesh.get_all_groups()
+        except Exception as e:  # torch's mesh API varies by release; those all-reduces then keep NCCL
+            _warn_mesh_groups_unknown(f"{type(e).__name__}: {e}")
+            continue
+        for group in mesh_groups:
             groups.setdefault(group.group_name, group)
     return list(groups.values())
+
+
+@functools.cache
+def _warn_mesh_groups_unknown(why: str) -> None:
+    log.warning("cgcompile: the process groups of a DTensor device mesh could not be read (%s); the "
+                "all-reduces only Inductor's graph shows keep NCCL unless prepare_collectives set the "
+                "groups up", why)
 
 
 def _real_mesh(obj):

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import cgcompile  # noqa: E402
 from cgcompile.parallel.all_reduce_choice import NCCL  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, setup_all_reduce  # noqa: E402
-from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
+from cgcompile.parallel.fast_all_reduce import _mesh_groups, all_reduce_report  # noqa: E402
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP  # noqa: E402
 from cgcompile.passes.fast_all_reduce import find_all_reduces, route_all_reduces  # noqa: E402
 
@@ -96,6 +96,11 @@ def dtensor_all_reduce_routed_inside_inductor():
         torch.testing.assert_close(torch.compile(mlp, backend=backend)(x), mlp(x))
         inside = [r for r in all_reduce_report().sites if r.level == "inductor"]
         assert [r.kind for r in inside] == [NCCL] and "its input is on cpu" in inside[0].reason, inside
+        torch._dynamo.reset()
+        graphs = []
+        torch.compile(mlp, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)(x)
+        mesh_group = mlp[0].weight.device_mesh.get_group().group_name
+        assert [g.group_name for g in _mesh_groups(graphs[0])] == [mesh_group]  # what CUDA graphs set up
         torch._dynamo.reset()
         route = RouteEverySum()
         routed = torch.compile(mlp, options={"post_grad_custom_post_pass": route})(x)
