@@ -7,6 +7,9 @@
 #
 #   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
 #   ONLY="pytest_graphs zoo_a" OUT=/tmp/out bash benchmarks/gpu_verify.sh 240   # named jobs only
+#
+# Every job at once is about 37 processes: on a 16-core host most outlast a 440 s limit. Within
+# one 10-minute call, name at most about 14 jobs with ONLY.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -30,10 +33,14 @@ job() {  # job NAME COMMAND...: run in the background under the time limit, log 
 PYTEST=(python3 -m pytest -q -m cuda -p no:cacheprovider)
 SHARD_HF=(tests/test_hf_generate.py tests/test_hf_full_graph.py tests/breakable/test_transformers.py)
 SHARD_GRAPHS=(tests/test_backend.py tests/test_full_graph.py tests/test_recovery.py tests/test_compile_sizes.py)
+# The cuda tests that each fix of a model family brings (training, host tensors, split symbols, plans).
+SHARD_MODELS=(tests/test_training.py tests/test_host_tensors.py tests/passes tests/test_replay_plan.py
+  tests/test_padding.py tests/test_output_aliases.py)
 job pytest_hf "${PYTEST[@]}" "${SHARD_HF[@]}"
 job pytest_graphs "${PYTEST[@]}" "${SHARD_GRAPHS[@]}"
+job pytest_models "${PYTEST[@]}" "${SHARD_MODELS[@]}"
 job pytest_rest "${PYTEST[@]}" tests --ignore=tests/test_model_zoo.py --ignore=tests/test_fuzz.py \
-  $(printf -- '--ignore=%s ' "${SHARD_HF[@]}" "${SHARD_GRAPHS[@]}")
+  $(printf -- '--ignore=%s ' "${SHARD_HF[@]}" "${SHARD_GRAPHS[@]}" "${SHARD_MODELS[@]}")
 job fuzz_eager python3 -m cgcompile.fuzz --cases 400 --seed 1000 --device cuda --compiler eager
 job fuzz_inductor python3 -m cgcompile.fuzz --cases 40 --seed 2000 --device cuda --compiler inductor
 job fuzz_full python3 -m cgcompile.fuzz --cases 200 --seed 3000 --device cuda --padding none --full-graph pieces

@@ -229,6 +229,10 @@ ARCHS = [
         mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)),
     # Text encoders: forward on token ids with a right-padded attention mask.
     Arch("bert", "encoder", "BertConfig", _BERT),
+    # Relative positions built on the host side of the graph (a lost size symbol once split it wrongly).
+    Arch("deberta_v2", "encoder", "DebertaV2Config", dict(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        relative_attention=True, position_buckets=16, max_relative_positions=64, pos_att_type=["p2c", "c2p"])),
     Arch("roberta", "encoder", "RobertaConfig", _BERT | dict(pad_token_id=1)),
     Arch("xlm_roberta", "encoder", "XLMRobertaConfig", _BERT | dict(pad_token_id=1)),
     Arch("distilbert", "encoder", "DistilBertConfig", dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4,
@@ -269,6 +273,9 @@ ARCHS = [
     Arch("pegasus", "seq2seq", "PegasusConfig", _SEQ2SEQ | dict(max_position_embeddings=64, forced_eos_token_id=None)),
     Arch("marian", "seq2seq", "MarianConfig", _SEQ2SEQ | dict(max_position_embeddings=64, decoder_vocab_size=VOCAB,
                                                               forced_eos_token_id=None)),
+    # Its generate() once compiled a graph that returns nothing (its only effect an in-place write).
+    Arch("led", "seq2seq", "LEDConfig", _SEQ2SEQ | dict(max_encoder_position_embeddings=64,
+                                                         max_decoder_position_embeddings=64, attention_window=[8, 8])),
     Arch("mt5", "seq2seq", "MT5Config", dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                               num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)),
 ]
