@@ -98,16 +98,24 @@ class _AccumulateIntoAnInput(torch.nn.Module):
         torch.ops.cgcompile_testing.silly_accumulate(out, x * 2.0)  # its one effect: a write into out
 
 
+class _AccumulateIntoAViewOfAnInput(torch.nn.Module):
+    def forward(self, x, out):  # x, out: [n, 8]; returns nothing
+        torch.ops.cgcompile_testing.silly_accumulate(out[:, 2:], x[:, :6] * 2.0)  # a captured op views out
+
+
 SINKS = frozenset(p.name for p in fuzz.PRODUCTIONS if p.family == "sink")
 
 # The breakable path's (`Setup(path="breakable")`); each model shows the bug over three
 # calls of n=3 (observe, capture, replay).
-BREAKABLE_KNOWN_BUGS = (
+BREAKABLE_KNOWN_BUGS = ()
+
+BREAKABLE_FIXED_BUGS = (
     KnownBug(
-        "a split op's write into an input the model is handed is applied twice on the calls "
-        "that observe and capture a size (the replays are right)",
+        "a split op's write into an input the model is handed missed the caller's tensor on the "
+        "calls that observe and capture a size (they ran on copies of the inputs), and on every "
+        "call once a captured op read the input (the write landed in its static buffer)",
         (SINKS,),
-        (_AccumulateIntoAnInput,),
+        (_AccumulateIntoAnInput, _AccumulateIntoAViewOfAnInput),
     ),
 )
 
@@ -342,7 +350,7 @@ def test_whole_graph_compiles_on_cpu_agree_with_eager():
 
 def test_breakable_graphs_on_cpu_agree_with_eager():
     """The breakable path (op_replay segments), exact sizes, each size observed, captured
-    and replayed, every call with its own data. No known bugs apply to it."""
+    and replayed, every call with its own data."""
     _assert_only_known_breakable_bugs(range(400), fuzz.Setup(device="cpu", padding=None, path="breakable"))
 
 
@@ -389,6 +397,15 @@ def test_fixed_bug_stays_fixed(make):
 @pytest.mark.parametrize("make", _models(BREAKABLE_KNOWN_BUGS))
 @pytest.mark.xfail(strict=True, reason="a known bug (BREAKABLE_KNOWN_BUGS); this passes, and so fails, once fixed")
 def test_known_breakable_bug_reproduces(make):
+    _breakable_matches_eager_over_observe_capture_replay(make)
+
+
+@pytest.mark.parametrize("make", _models(BREAKABLE_FIXED_BUGS))
+def test_fixed_breakable_bug_stays_fixed(make):
+    _breakable_matches_eager_over_observe_capture_replay(make)
+
+
+def _breakable_matches_eager_over_observe_capture_replay(make: Callable[[], torch.nn.Module]) -> None:
     config = fuzz.Setup(device="cpu", padding=None, path="breakable").config()
     model, reference = make(), make()
     manager = cgcompile.GraphManager(model, config, boundary=None, segments="op_replay")

@@ -13,6 +13,10 @@ Along the way the recorder tracks where each tensor comes from, by storage, so t
     the captured buffer, and raises `CaptureError` if its shape changed (a segment would
     read stale or partial data); results only later eager steps read are handed over live
     (the keys and values a cache update returns, read by attention);
+  - which inputs the call wrote into (`Recording.written_inputs`), by any step, captured
+    or eager, directly or through a view: the inputs' version counters before and after.
+    The module runs on copies of the call's tensors (see `runner`), so the runner copies
+    these back into the caller's tensors after the call, and after every replay;
   - what makes the call impossible to capture (`uncapturable`): a captured op reads the
     results of a step declared `dynamic_results` (a cache update: they grow every step),
     a captured op synchronises with the host, host code asked a live object for its state
@@ -185,6 +189,7 @@ class Recording:
     steps: list  # SegmentStep / EagerStep, in order
     static_inputs: list[int]  # leaf indices whose static buffers captured ops read
     live_tensor_inputs: list[int]  # tensor leaves eager steps get live
+    written_inputs: list[int]  # tensor leaves some step wrote into (copied back to the caller's)
     outputs: Any  # the module's result, static tensors inside
     keep_alive: list  # tensors from outside the module that segments read
 
@@ -237,6 +242,8 @@ class Recorder:
             self._input_ids.setdefault(id(leaf), []).append(i)
             if isinstance(leaf, torch.Tensor) and _storage(leaf):
                 self._input_storages.setdefault(_storage(leaf), []).append(i)
+        # Views share their base's counter, so a write through a view of an input counts.
+        self._versions = [_version(leaf) for leaf in leaves]
         self._result_ids: dict[int, tuple[int, int]] = {}
         self._result_storages: dict[int, tuple[int, int]] = {}
         self._params = {_storage(t) for t in (*module.parameters(), *module.buffers())}
@@ -391,8 +398,12 @@ class Recorder:
                       "of the module (%s); graphs read them where they are now", self.name, len(self.externals),
                       shapes)
         live_tensors = [i for i, _, _ in signature.live_tensors]
-        return Recording(signature, steps, sorted(self.segment_inputs), live_tensors, outputs,
-                         list(self.externals.values()))
+        return Recording(signature, steps, sorted(self.segment_inputs), live_tensors, self._written_inputs(),
+                         outputs, list(self.externals.values()))
+
+    def _written_inputs(self) -> list[int]:
+        return [i for i, (leaf, before) in enumerate(zip(self.leaves, self._versions))
+                if before is not None and _version(leaf) != before]
 
     def _signature(self) -> Signature:
         static, live_tensors, live_objects, values = [], [], [], []
@@ -441,6 +452,13 @@ class Recorder:
         if isinstance(leaf, torch.Tensor):
             return index in self.segment_inputs
         return not (self.live_types and isinstance(leaf, self.live_types))
+
+
+def _version(leaf) -> int | None:
+    """A tensor leaf's version counter (None: not a tensor, or an inference tensor, which keeps none)."""
+    if not isinstance(leaf, torch.Tensor) or leaf.is_inference():
+        return None
+    return leaf._version
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -24,6 +24,17 @@ and results of earlier eager steps that only eager steps read (the keys and valu
 cache update returns). Other host-side state that changes per call must be read inside
 an `@eager_break` function, from an object it holds.
 
+Writes into inputs: every recorded call (observe or capture) runs the module on copies of
+the call's tensors (the static buffers a graph may keep), so neither run's ops touch the
+caller's tensors, and each call runs each op once. The recorder tells which copies some
+step wrote into, captured or eager, through a view or not (their version counters,
+`Recording.written_inputs`); the runner copies those back into the caller's tensors after
+the call and after every replay of its graph (`write_back`; the first n rows of a padded
+copy; nothing where an eager step got the caller's tensor itself). So a split op's write
+into `out`, or a captured `out.mul_`, lands exactly once per call, as in eager, with no
+warm-up run whose effects would need undoing. Parameters and buffers are never copied:
+their writes land in place, once per call.
+
 Weights: segments read the module's parameters and buffers in place. Each call compares
 their addresses with those at capture (`parameter_addresses`): a call whose weights were
 replaced by new tensors runs eagerly, and once the new addresses settle every runner of
@@ -138,6 +149,7 @@ class _BreakableGraph:
     steps: list  # SegmentStep / EagerStep, in replay order
     statics: list[tuple[int, StaticInput]]  # (leaf index, buffer) refreshed before replay
     live_tensor_inputs: list[int]  # leaves eager steps get live (padded when the call is)
+    written: list[tuple[int, torch.Tensor | None]]  # (leaf, its static buffer, None when live): copied back
     outputs: Any  # the module's result: static tensors inside
     output_tensors: list[torch.Tensor]  # its tensors, whose version a replay bumps
     keep_alive: list
@@ -260,6 +272,8 @@ class BreakableRunner:
                 live[index] = padded_rows_copy(leaves[index], n, size)
         for step in entry.steps:
             step(live)
+        for index, buffer in entry.written:
+            write_back(leaves[index], live[index] if buffer is None else buffer)
         # A replay rewrites the static outputs behind autograd's back; bump their version so
         # that whoever remembers one as unchanged (`StaticInput.refresh`) sees that it changed.
         for t in entry.output_tensors:
@@ -282,6 +296,8 @@ class BreakableRunner:
             with recorder:
                 outputs = self._forward(*args, **kwargs)
             recording = recorder.finish(outputs)
+        for index in recording.written_inputs:  # the call ran on copies: hand its writes over
+            write_back(leaves[index], call_leaves[index])
         if observe:
             self.rule.observed(size, recording.signature)
             return _cut(outputs, n, size, clone=False)
@@ -290,14 +306,26 @@ class BreakableRunner:
             return _cut(outputs, n, size, clone=True)  # out of the graphs' pool, which is dropped
         output_tensors = [x for x in pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
         self.group.statics.add_outputs(output_tensors)  # the entry keeps them alive
+        static_inputs = set(recording.static_inputs)
+        written = [(i, statics[i].buffer if i in static_inputs else None) for i in recording.written_inputs]
         entry = _BreakableGraph(recording.signature, recording.steps,
                                 [(i, statics[i]) for i in recording.static_inputs],
-                                recording.live_tensor_inputs, outputs, output_tensors, recording.keep_alive)
+                                recording.live_tensor_inputs, written, outputs, output_tensors, recording.keep_alive)
         self.rule.captured(size, recording.signature, entry)
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
             self.group.dump(dump_dir)
         return _cut(outputs, n, size, self.clone_outputs)
+
+
+def write_back(x: torch.Tensor, written: torch.Tensor) -> None:
+    """Copy into the caller's tensor x what the call wrote into `written`: x's static
+    buffer, or the padded copy an eager step got (their first rows when padded); nothing
+    when the call wrote into x itself."""
+    if written is x or (written.data_ptr() == x.data_ptr() and written.stride() == x.stride()
+                        and written.shape == x.shape):
+        return
+    x.copy_(written if written.shape == x.shape else written[:x.shape[0]])
 
 
 def _refusing_backward(outputs, name: str):

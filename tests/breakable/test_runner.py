@@ -22,7 +22,7 @@ import cgcompile.inspect
 from cgcompile.breakable.record import EagerStep, Recorder
 from cgcompile.breakable.signature import flatten_call
 from cgcompile.capture import Mode
-from cgcompile.testing.models import SILLY_OP, ToyLlama
+from cgcompile.testing.models import ACCUMULATE_OP, SILLY_OP, ToyLlama
 
 from helpers import capture_error_in_own_process, private_pools, tiny_llama
 
@@ -492,6 +492,73 @@ def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing():
             torch.testing.assert_close(model.stat, reference.stat)
 
 
+class WritesIntoOut(nn.Module):
+    """Writes into its input `out` (and returns what `how` says), through the split op
+    silly_accumulate (`out += sin(v)`) as attention writes the output buffer it is handed.
+
+    how: "eager" (only the split op touches out: live at replay), "view" (into a view a
+    captured op makes: out gets a static buffer), "captured" (a captured op scales out after
+    the split op), "read_after" (a captured op reads out after the split op wrote it),
+    "buffer" (into rows of a buffer of the module; out untouched).
+    """
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("acc", torch.zeros(16, 8))
+
+    def forward(self, x, out):  # x, out: [n, 8]
+        h = self.a(x)
+        accumulate = torch.ops.cgcompile_testing.silly_accumulate
+        if self.how == "eager":
+            accumulate(out, h)
+        elif self.how == "view":
+            accumulate(out[:, 3:], h[:, :5])
+        elif self.how == "captured":
+            accumulate(out, h)
+            out.mul_(-2.0)
+        elif self.how == "read_after":
+            accumulate(out, h)
+            return out * 3.0
+        else:
+            accumulate(self.acc[:x.shape[0]], h)
+            return self.acc * 1.0
+        return None
+
+
+# (how, padding). Not ("buffer", True): padded, the module sees the padded row count and
+# writes rows n.. of its buffer too, as eager would at that size (padding=True is the
+# user's word that no row reaches another, which a write of rows [:n] into state breaks).
+WRITES = [(how, padding) for how in ("eager", "view", "captured", "read_after", "buffer") for padding in (None, True)
+          if (how, padding) != ("buffer", True)]
+WRITE_IDS = [f"{how}-{'padded' if padding else 'exact'}" for how, padding in WRITES]
+
+
+def _writes_match_eager(manager, model, reference, device: str, calls: int = 5) -> None:
+    """Every call (observe, capture, replays) writes into the caller's tensors exactly once."""
+    n = 3
+    for call in range(calls):
+        x = torch.randn(n, 8, device=device)
+        big = torch.randn(n, 12, device=device)  # out is a view of it: writes must reach big
+        want = big.clone()
+        got = manager.run_pw_graph(model, (x, big[:, 2:10]))
+        torch.testing.assert_close(got, reference(x, want[:, 2:10]), msg=lambda m: f"call {call}: {m}")
+        torch.testing.assert_close(big, want, msg=lambda m: f"call {call}: out: {m}")
+        torch.testing.assert_close(model.acc, reference.acc, msg=lambda m: f"call {call}: acc: {m}")
+    assert sum(r.graph_count() for r in manager.breakable.runners) == 1
+
+
+@pytest.mark.parametrize("how, padding", WRITES, ids=WRITE_IDS)
+def test_a_write_into_an_input_or_buffer_lands_once_per_call_also_when_recording(how, padding):
+    torch.manual_seed(0)
+    model, reference = WritesIntoOut(how), WritesIntoOut(how)
+    reference.load_state_dict(model.state_dict())
+    manager = manager_for(model, splitting_ops=(SILLY_OP, ACCUMULATE_OP), padding=padding)
+    with torch.no_grad():
+        _writes_match_eager(manager, model, reference, "cpu")
+
+
 # ---- CUDA: breakable CUDA graphs and the manager, against eager ----
 # A signature is captured on the second call of a size that has it (the first is observed:
 # run eagerly under the recorder).
@@ -777,3 +844,17 @@ def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing_on
             torch.testing.assert_close(manager.run_pw_graph(model, (x,)), reference(x))
             torch.testing.assert_close(model.stat, reference.stat)
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how, padding", WRITES, ids=WRITE_IDS)
+def test_a_write_into_an_input_or_buffer_lands_once_per_call_also_when_capturing_on_cuda(how, padding,
+                                                                                         monkeypatch):
+    monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model, reference = WritesIntoOut(how).cuda(), WritesIntoOut(how).cuda()
+    reference.load_state_dict(model.state_dict())
+    manager = cgcompile.GraphManager(model, _config(splitting_ops=(SILLY_OP, ACCUMULATE_OP), padding=padding),
+                                     boundary=None)
+    with torch.inference_mode():
+        _writes_match_eager(manager, model, reference, "cuda")
