@@ -198,14 +198,14 @@ def test_pieces_compile_with_the_pass_unless_all_reduce_is_nccl():
     assert all_reduce_pass({POST_GRAD_PASS: mine}, "auto") is None  # the user's own pass is kept
 
 
-def test_the_pass_is_in_inductors_config_during_a_piece_compile(monkeypatch):
+def test_the_pass_is_in_inductors_config_during_a_piece_compile_only():
     import torch._inductor.config as inductor_config
 
     seen = []
     compiler = PieceCompiler("inductor", all_reduce="auto")
-    monkeypatch.setattr(inductor_config, POST_GRAD_PASS, None)
     compiler._inductor(lambda: seen.append(getattr(inductor_config, POST_GRAD_PASS)))
-    assert seen == [compiler.all_reduce_pass] and getattr(inductor_config, POST_GRAD_PASS) is None
+    assert seen == [compiler.all_reduce_pass]
+    assert getattr(inductor_config, POST_GRAD_PASS) is not compiler.all_reduce_pass
 
 
 # -- 2 ranks ------------------------------------------------------------------------------
