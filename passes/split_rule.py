@@ -28,7 +28,9 @@ Rules, in order:
   input_mutation the op writes (in place, into a schema-marked argument, or `out=`: see
                 `mutation.py`) into a graph input that is not a parameter or buffer, or
                 into a value an earlier piece made (one made before the last eager
-                node); a graph would write into its private copy instead
+                node); a graph would write into its private copy instead. Views of
+                such a graph input or value that an op writes into (or through) are
+                eager too: made in a graph, they would view its copy
 """
 
 from __future__ import annotations
@@ -99,9 +101,9 @@ def classify_nodes(
         position[node] = i
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
-        reason = _reason(node, op_reason, allowed, cpu_reads, mutable_inputs) or _earlier_piece_rule(
-            node, position, last_eager, written_views
-        )
+        reason = (_reason(node, op_reason, allowed, cpu_reads, mutable_inputs)
+                  or _written_input_view_rule(node, written_views, mutable_inputs)
+                  or _earlier_piece_rule(node, position, last_eager, written_views))
         if reason is not None:
             eager[node] = SplitReason(reason[0], reason[1], node.name)
             last_eager = i
@@ -297,6 +299,21 @@ def _mutation_rule(node: Node, mutable_inputs: frozenset[str]) -> tuple[str, str
         base = view_base(target)
         if base.op == "placeholder" and base.name in mutable_inputs:
             return "input_mutation", f"writes in place into graph input {base.name}"
+    return None
+
+
+def _written_input_view_rule(node: Node, written_views: set[Node],
+                             mutable_inputs: frozenset[str]) -> tuple[str, str] | None:
+    """A view of a graph input (not a parameter or buffer) that an op writes into or
+    through. The write is eager (`_mutation_rule`), but a graph that made the view would
+    make it of its static copy of the input: the write would land in the copy, and a
+    view read after a write into the input would read the copy."""
+    if node not in written_views:
+        return None
+    base = view_base(node)
+    if base.op == "placeholder" and base.name in mutable_inputs:
+        return ("input_mutation", f"a view of graph input {base.name}, which an op writes into: "
+                                  f"made in a graph, it would view the graph's copy of the input")
     return None
 
 

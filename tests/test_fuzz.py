@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 import cgcompile
+import helpers
 from cgcompile.testing import fuzz
 from cgcompile.compat import fresh_inductor_cache
 from cgcompile.testing.grammar import LAYOUTS, MODES, N, RETURNS, Program
@@ -369,6 +370,29 @@ BREAKABLE_PADDED_SEEDS = [s for s in range(1200) if fuzz.generate(s).mode == "ro
 
 def test_padded_breakable_graphs_on_cpu_agree_with_eager_where_rows_never_mix():
     _assert_only_known_breakable_bugs(BREAKABLE_PADDED_SEEDS, fuzz.Setup(device="cpu", padding=True, path="breakable"))
+
+
+# Cases the GPU found, each with the Setup it failed under there. A split op wrote into a
+# view of the input `out` (`out[:, 1:]`) that a captured piece had made of its static copy
+# of `out`: at the n=1 call (a static graph, whose view of `out` was not eager by accident
+# of a second size symbol) the write landed in the copy.
+GPU_FOUND_THROUGH_GRAPHS = (
+    (1326, fuzz.Setup("eager", "cpu", padding=True)),
+    (3063, fuzz.Setup("eager", "cpu", padding=None, full_graph="pieces")),
+    (5060, fuzz.Setup("eager", "cpu", padding=None, full_graph="pieces", fuse_sibling_linears=True)),
+    (5213, fuzz.Setup("eager", "cpu", padding=None, full_graph="pieces", fuse_sibling_linears=True)),
+)
+
+
+@pytest.mark.parametrize("seed, setup", GPU_FOUND_THROUGH_GRAPHS, ids=[str(s) for s, _ in GPU_FOUND_THROUGH_GRAPHS])
+def test_cases_the_gpu_found_agree_with_eager_through_fake_graphs(monkeypatch, seed, setup):
+    """Through fake graphs (`helpers.fake_cuda_graphs`), whose captured pieces read static
+    copies of their inputs as real ones do; the CPU's padded pieces read the inputs."""
+    helpers.fake_cuda_graphs(monkeypatch)
+    program, sizes = setup.case(seed)
+    outcome = fuzz.run_case(program, sizes, setup)
+    assert outcome.status == "ok", (outcome, fuzz.reproducer(program, sizes, setup, outcome))
+    assert helpers.FakeGraph.captures > 0  # the graphs ran, or this would check nothing
 
 
 def _compiled_matches_eager_at_a_padded_size(make: Callable[[], Callable]) -> None:

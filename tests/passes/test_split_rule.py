@@ -6,7 +6,7 @@ import torch
 
 import cgcompile
 from cgcompile.passes import example_value
-from cgcompile.testing.models import SILLY_OP
+from cgcompile.testing.models import ACCUMULATE_OP, SILLY_OP
 
 silly = torch.ops.cgcompile_testing.silly_attention
 
@@ -92,6 +92,25 @@ def test_input_mutation():
     assert [p.capturable for p in backend.pieces] == [False, True]
     assert rules(backend.pieces[0]) == ["input_mutation"]
     assert "writes in place into graph input" in backend.pieces[0].reason
+
+
+def test_a_view_of_an_input_that_a_split_op_writes_through_is_eager():
+    """Made in a captured piece, `out[:, 1:]` would view the graph's static copy of out,
+    and the eager split op's write would land in the copy, not in the caller's out."""
+    def f(x, out):  # x: [2, 8], out: [2, 8]; static sizes
+        view = out[:, 1:]
+        t = x * 2.0  # a capturable stretch after the view, so no view-only fold makes it eager
+        torch.ops.cgcompile_testing.silly_accumulate(view, t[:, :7])
+
+    x, out = torch.randn(2, 8), torch.randn(2, 8)
+    want = out.clone()
+    f(x, want)
+    compiled, backend = compile_eager(f, splitting_ops=[ACCUMULATE_OP])
+    compiled(x, out)
+    assert torch.equal(out, want)
+    assert [p.capturable for p in backend.pieces] == [False, True, False]
+    assert rules(backend.pieces[0]) == ["input_mutation"]
+    assert "a view of graph input l_out_, which an op writes into" in backend.pieces[0].reason
 
 
 def test_no_capturable_piece_warns_once_and_runs(caplog):
