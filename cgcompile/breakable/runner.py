@@ -64,7 +64,7 @@ from torch.utils import _pytree as pytree
 from ..buffers import SharedStatics, SizePolicy, StaticInput, padded_rows_copy
 from ..capture import CaptureSession
 from ..config import Config
-from ..errors import StateError, expect, expected
+from ..errors import expect
 from ..ops import call_without_cudnn_attention
 from ..weights import ModuleTensors, ParameterAddresses
 from .record import Recorder, recording, run_as_eager_break
@@ -244,6 +244,9 @@ class BreakableRunner:
         size = self.sizes.size_for(n) if n else None
         if size is None or not self.addresses.allow_addresses(self._tensors.read()):
             return self._forward(*args, **kwargs)
+        if torch.is_grad_enabled() and self._needs_gradients(leaves):
+            _warn_eager_for_autograd(self.name)
+            return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
         if decision.action is Action.EAGER:
             return self._forward(*args, **kwargs)
@@ -251,8 +254,6 @@ class BreakableRunner:
             outputs = self._replay(decision.entry, leaves, n, size)
         else:
             outputs = self._record(decision.action, leaves, structure, n, size)
-        if decision.action is not Action.OBSERVE and torch.is_grad_enabled() and self._needs_gradients(leaves):
-            return _refusing_backward(outputs, self.name)
         return outputs
 
     def _needs_gradients(self, leaves: list) -> bool:
@@ -328,28 +329,20 @@ def write_back(x: torch.Tensor, written: torch.Tensor) -> None:
     x.copy_(written if written.shape == x.shape else written[:x.shape[0]])
 
 
-def _refusing_backward(outputs, name: str):
-    """`outputs` cut off from autograd, each raising at a backward that reaches it.
+_WARNED_FOR_AUTOGRAD: set[str] = set()
 
-    A replay (and the capture before it) runs outside autograd's view: what autograd
-    recorded at capture saved static buffers and pool memory that every later replay
-    rewrites, so a backward through it would compute another call's gradients. Calls that
-    only read the outputs (inference that forgot `torch.no_grad()`) are unaffected."""
-    def refuse(grad):
-        raise StateError(expected(
-            f"breakable graphs of {name}", "no backward through a replayed CUDA graph",
-            "a backward that reaches its output",
-            "train through torch.compile(model, backend='cgcompile'), which runs graphs that need gradients "
-            "without CUDA graphs, or the eager model; run inference under torch.no_grad()", raw=True))
 
-    def cut(x):
-        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
-            return x
-        x = x.detach().requires_grad_()
-        x.register_hook(refuse)
-        return x
-
-    return cut(outputs) if isinstance(outputs, torch.Tensor) else pytree.tree_map(cut, outputs)
+def _warn_eager_for_autograd(name: str) -> None:
+    """A call that builds an autograd graph runs the eager module: a replay runs outside
+    autograd's view, and what autograd would save at capture (static buffers, pool memory)
+    every later replay rewrites, so a backward through it would compute another call's
+    gradients. Said once per runner."""
+    if name in _WARNED_FOR_AUTOGRAD:
+        return
+    _WARNED_FOR_AUTOGRAD.add(name)
+    log.warning("cgcompile: %s: a call that needs gradients runs eagerly, without breakable graphs (a backward "
+                "through a replay would read memory later replays rewrite); run inference under torch.no_grad(), "
+                "or train through torch.compile(model, backend='cgcompile')", name)
 
 
 def _cut(outputs, n: int, size: int, clone: bool):
