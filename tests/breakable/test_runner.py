@@ -811,7 +811,8 @@ manager = cgcompile.GraphManager(model, config, boundary=None)
 @pytest.mark.cuda
 def test_unjoined_side_stream_before_a_break_is_a_clear_error():
     # The first call is observed (eager, on the capture stream), the second captured.
-    capture = '[manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),)) for _ in range(2)]'
+    # Under no_grad, as inference runs: a call that needs gradients would run eagerly.
+    capture = 'with torch.no_grad(): [manager.run_pw_graph(model, (torch.randn(4, 16, device="cuda"),)) for _ in range(2)]'
     out = capture_error_in_own_process(_FORKS_BEFORE_A_BREAK, capture)
     assert "CaptureError: capturing Forks[size 4] (segment before" in out, out
 
