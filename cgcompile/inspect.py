@@ -27,7 +27,8 @@ _RULE_TAG = re.compile(r"\[(\w+)\]$")
 WIDTH = 120  # the table never grows wider; --piece and --verbose print the rest
 STATIC_HINT = (  # two lines under WIDTH, printed under every static graph
     "why static: no graph input has a dynamic dimension 0 (Dynamo specialises a size of 1, e.g. batch 1)",
-    'to capture by token count: Config(capture_input=..., capture_input_dim=...); README "The capture dimension"',
+    "to capture by token count: Config(capture_input=..., capture_input_dim=...); "
+    'docs/design.md, "The capture dimension"',
 )
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 

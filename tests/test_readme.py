@@ -101,3 +101,44 @@ def test_checks_can_fail(tmp_path):
         importlib.import_module(_names(MODULE_RUN, page).pop())
     with pytest.raises(AttributeError):
         _resolve("cgcompile.no_such_name")
+
+
+# A section the library's own text sends a reader to: `README "Title"`, `docs/x.md, "Title"`
+# or `docs/x.md#anchor`, in a message, a docstring or a comment of cgcompile/ and passes/.
+SOURCES = sorted([*(ROOT / "cgcompile").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+NAMED_SECTION = re.compile(r"\b(README|(?:%s)/[\w/-]+\.md)(?:,? \"([^\"]+)\"|#([\w-]+))" % "|".join(TOP_FOLDERS))
+
+
+def _sections(page: pathlib.Path) -> set[str]:
+    """The titles a reader can find in `page`: its headings and bold paragraph leads."""
+    text = _text(page)
+    headings = re.findall(r"^#+\s+(.+?)\s*$", text, re.MULTILINE)
+    return {*headings, *re.findall(r"\*\*([^*]+)\*\*", text)}
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def _missing_sections(text: str) -> list[str]:
+    missing = []
+    for file, title, anchor in NAMED_SECTION.findall(text):
+        page = ROOT / ("README.md" if file == "README" else file)
+        found = page.exists() and (title in _sections(page) if title else
+                                   anchor in {_anchor(h) for h in _sections(page)})
+        if not found:
+            missing.append(f"{file} {title or '#' + anchor}")
+    return missing
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_sections_named_in_the_library_exist(source):
+    missing = _missing_sections(_text(source))
+    assert not missing, f"{source.relative_to(ROOT)}: expected these sections to exist, got none for {missing}"
+
+
+def test_named_section_check_can_fail():
+    assert _missing_sections('see README "No such section" or docs/design.md#no-such-anchor') == [
+        "README No such section", "docs/design.md #no-such-anchor"]
+    assert not _missing_sections('see docs/design.md, "The capture dimension" or docs/design.md#the-split-rule')

@@ -156,7 +156,8 @@ class Setup:
         sizes (`sequence_sizes`) and, on the compiled path, a program that keeps state in
         attributes across calls. (Breakable graphs replay what a captured op read from an
         attribute as it was at capture: state a call changes must be read in an eager
-        break, README "Breakable CUDA graphs", which these programs do not do.)"""
+        break, docs/breakable.md, "Breakable CUDA graphs and the manager"; these programs
+        do not.)"""
         if self.sequence:
             return generate(seed, stateful=self.path == "compiled"), sequence_sizes(seed, self.sequence)
         return generate(seed), case_sizes(seed)
