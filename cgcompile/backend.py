@@ -30,7 +30,7 @@ from .capture import CaptureSession
 from .compat import torch_compile_call_of, torch_compile_call_on_stack
 from .compiler import EagerPieceCompiles, PieceCompiler
 from .config import Config, as_config
-from .errors import ArgumentError, CaptureError, StateError, expect, expected
+from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
 from .full_graph import FullGraph
 from .graph_piece import CudaGraphPiece
 from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
@@ -106,7 +106,8 @@ class Backend:
         self._stats.parameter_recaptures = sum(a.recaptures for a in watched)
         return self._stats
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None) -> Callable:
+        _refuse_mode("torch.compile(..., backend=Backend(...))", mode, "set Config fields in Backend(Config(...))")
         index = self._stats.graphs_seen
         self._stats.graphs_seen += 1
         fusion = phases.fuse_linears(index, gm, example_inputs, self.config, self._fused_copies)
@@ -273,13 +274,24 @@ class CaptureMemoryProfile:
     graphs: int  # CUDA graphs that capture made
 
 
-def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
+def cgcompile_backend(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None,
+                      mode: str | None = None):
     """Entry point for `torch.compile(model, backend="cgcompile", options={...})`.
 
     Every graph of one torch.compile call goes to one Backend (one pool, one compile
     cache; see `cgcompile.backend`); `cgcompile.backend_of(compiled)` returns it.
+    `mode` is refused: torch.compile hands any mode but "default" to the backend, and
+    cgcompile is a CUDA-graph mode of its own.
     """
+    _refuse_mode('torch.compile(..., backend="cgcompile")', mode,
+                "set Config fields with options={...}, e.g. options={'capture_sizes': [1, 2, 4]}")
     return backend_for_this_compile(options)(gm, example_inputs)
+
+
+def _refuse_mode(culprit: str, mode: str | None, where_config_goes: str) -> None:
+    """Raise ConfigError for a torch.compile `mode` (which torch hands to the backend)."""
+    expect(mode is None, f"{culprit}: mode", "no mode (cgcompile is itself the CUDA-graph mode)", mode,
+           f"leave mode out, and {where_config_goes}", ConfigError)
 
 
 # --------------------------------------------------------------------------------------

@@ -205,6 +205,10 @@ ROWS = {
     # what a newcomer hits
     "backend class": Row(lambda w: torch.compile(w.model, backend=cgcompile.Backend)(torch.zeros(2, dtype=torch.long)),
                          ArgumentError, "torch.compile: backend", "write backend=cgcompile.Backend()"),
+    "torch.compile mode": Row(lambda w: torch.compile(w.model, backend="cgcompile", mode="reduce-overhead")(
+        torch.zeros(2, dtype=torch.long)), ConfigError, 'backend="cgcompile"): mode', "leave mode out"),
+    "torch.compile mode, Backend": Row(lambda w: torch.compile(w.model, backend=cgcompile.Backend(), mode="max-autotune")(
+        torch.zeros(2, dtype=torch.long)), ConfigError, "backend=Backend(...)): mode", "Backend(Config(...))"),
     "capturable sdpa": Row(lambda w: Config(capturable_split_ops=("sdpa",)), ConfigError, "capturable_split_ops",
                            '"attention"'),
     "inductor value type": Row(lambda w: Config(inductor_options={"max_autotune": "yes"}), ConfigError,
