@@ -564,17 +564,23 @@ class Config:
         return check_dump_dir(DUMP_DIR_ENV, value) if value else None
 
     def resolved_use_breakable(self) -> bool:
-        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it (read here only).
+        """`use_breakable`, unless CGCOMPILE_USE_BREAKABLE=0/1 overrides it.
 
         `as_config` calls it when a Backend or GraphManager is built, so a malformed value
         is refused on every path, not only on the one that uses it.
         """
+        value = self.use_breakable_override()
+        return self.manager.use_breakable if value is None else value == "1"
+
+    def use_breakable_override(self) -> str | None:
+        """CGCOMPILE_USE_BREAKABLE ("0" or "1", read here only) when it is set, else None;
+        messages about the path name it, since it wins over `use_breakable`."""
         value = os.environ.get(USE_BREAKABLE_ENV)
         if value is None or value == "":
-            return self.manager.use_breakable
+            return None
         expect(value in ("0", "1"), USE_BREAKABLE_ENV, "0 or 1", value,
                f"unset it or write {USE_BREAKABLE_ENV}=1 for breakable graphs, 0 for compiled pieces", ConfigError)
-        return value == "1"
+        return value
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Config":

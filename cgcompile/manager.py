@@ -38,7 +38,7 @@ from .breakable.integrations import integration_for
 from .breakable.path import BreakablePath, boundary_path
 from .breakable.segments import SEGMENT_KINDS
 from .capture import CaptureSession
-from .config import Config, as_config
+from .config import USE_BREAKABLE_ENV, Config, as_config
 from .errors import ArgumentError, StateError, expect, expected
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class GraphManager:
         check_cudagraphs_setting("GraphManager", self.config)
         self.session = CaptureSession.for_config(self.config, pool=pool)
         self.use_breakable = self.config.resolved_use_breakable()
-        _check_segments(segments, self.use_breakable)
+        _check_segments(segments, self.use_breakable, self.config)
         self.segments = segments
         self.graphs_enabled = segments == "op_replay" or self._graphs_enabled()
         self._boundary = boundary
@@ -221,11 +221,14 @@ def _check_model(model: Any) -> None:
     expect(isinstance(model, torch.nn.Module), "GraphManager: model", "a torch.nn.Module", model, fix)
 
 
-def _check_segments(segments: Any, use_breakable: bool) -> None:
+def _check_segments(segments: Any, use_breakable: bool, config: Config) -> None:
     expect(segments in SEGMENT_KINDS, "GraphManager: segments", f"one of {SEGMENT_KINDS}", segments)
+    override = config.use_breakable_override()
+    # Where the environment chose the compiled path, Config(use_breakable=True) would change nothing.
+    choose = (f"unset {USE_BREAKABLE_ENV}={override} (it overrides Config(use_breakable=...)) or set it to 1"
+              if override is not None else "set Config(use_breakable=True)")
     expect(use_breakable or segments == "cuda_graphs", "GraphManager: segments",
-           "'cuda_graphs' on the compiled path", segments,
-           "set Config(use_breakable=True) to replay breakable segments op by op")
+           "'cuda_graphs' on the compiled path", segments, f"{choose} to replay breakable segments op by op")
 
 
 def _check_boundary(model: torch.nn.Module, boundary: Any) -> None:

@@ -209,6 +209,11 @@ ROWS = {
         torch.zeros(2, dtype=torch.long)), ConfigError, 'backend="cgcompile"): mode', "leave mode out"),
     "torch.compile mode, Backend": Row(lambda w: torch.compile(w.model, backend=cgcompile.Backend(), mode="max-autotune")(
         torch.zeros(2, dtype=torch.long)), ConfigError, "backend=Backend(...)): mode", "Backend(Config(...))"),
+    "op_replay on the compiled path": Row(lambda w: cgcompile.GraphManager(w.model, segments="op_replay"),
+                                          ArgumentError, "GraphManager: segments", "set Config(use_breakable=True)"),
+    "op_replay with the env's compiled path": Row(
+        lambda w: cgcompile.GraphManager(w.model, Config(use_breakable=True), segments="op_replay"), ArgumentError,
+        "GraphManager: segments", "unset CGCOMPILE_USE_BREAKABLE=0 (it overrides Config(use_breakable=...))", env="0"),
     "capturable sdpa": Row(lambda w: Config(capturable_split_ops=("sdpa",)), ConfigError, "capturable_split_ops",
                            '"attention"'),
     "inductor value type": Row(lambda w: Config(inductor_options={"max_autotune": "yes"}), ConfigError,
