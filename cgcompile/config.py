@@ -29,6 +29,7 @@ from .ops import CapturableOps, normalize_capturable
 from .ops import SplitOps, normalize_op
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
+MAX_CAPTURE_SIZE = 65536  # rows (batch or tokens) of one call; see `_capture_sizes`
 # Config.full_graph's default: full graphs wherever a graph has CUDA graphs (`Config.full_graph_for`).
 AUTO = "auto"
 COMPILERS = ("eager", "inductor")
@@ -136,12 +137,17 @@ def _capturable(name: str, entry: Any) -> str:
 
 
 def _capture_sizes(name: str, sizes: Any) -> None:
-    # No upper bound: nothing is allocated per size until a call of that size runs (the
-    # padding table is a binary search), and the largest sensible size depends on the model.
+    # The bound is generous (prefill token counts of a long prompt fit), but a call of size n
+    # runs padded to the smallest capture size >= n: a size of 10**9 makes a 7-row call
+    # allocate inputs and activations of 10**9 rows.
     expect(isinstance(sizes, tuple) and len(sizes) > 0, name, "a non-empty tuple or list of positive ints",
            sizes, "e.g. (1, 2, 4, 8)", ConfigError)
     bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s <= 0]
     expect(not bad, name, "positive ints", bad, "e.g. (1, 2, 4, 8)", ConfigError)
+    large = [s for s in sizes if s > MAX_CAPTURE_SIZE]
+    expect(not large, name, f"sizes of at most {MAX_CAPTURE_SIZE}", large,
+           "use the batch or token counts the model runs: a call is padded to the smallest capture size "
+           "above it, and its graph holds activations of that many rows", ConfigError)
     dupes = sorted(s for s, n in collections.Counter(sizes).items() if n > 1)
     expect(not dupes, name, "each size once", f"{dupes} more than once", "remove the repeats", ConfigError, raw=True)
 
@@ -306,7 +312,7 @@ class Sizes(_Group):
     capture_sizes: tuple[int, ...] = option(DEFAULT_CAPTURE_SIZES, _capture_sizes, normalise=_as_sizes, doc="""
         Sizes of the capture dimension that get a CUDA graph; a call of size n runs padded to the
         smallest capture size >= n. Any order, any int type (numpy's too): stored as sorted Python
-        ints.""")
+        ints. At most 65536 each.""")
     capture_input: str | None = option(None, _optional_text(
         "name the input as in forward, e.g. capture_input='input_ids'"), doc="""
         Which graph input holds the capture dimension, named as in the model's forward (e.g.

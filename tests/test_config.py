@@ -10,7 +10,7 @@ import torch
 
 import cgcompile
 from cgcompile import Config, ConfigError
-from cgcompile.config import AUTO, FLAT_NAMES, Compile, FullGraphOptions, Sizes, automatic_full_graph
+from cgcompile.config import AUTO, FLAT_NAMES, MAX_CAPTURE_SIZE, Compile, FullGraphOptions, Sizes, automatic_full_graph
 from cgcompile.testing.models import SILLY_OP
 
 
@@ -86,6 +86,7 @@ def test_one_op_as_a_bare_string():
         ((1, 2.5), r"capture_sizes: expected positive ints, got \[2.5\]"),
         ((1, 2, 2, 4, 4), r"capture_sizes: expected each size once, got \[2, 4\] more than once; remove the repeats"),
         ((), r"capture_sizes: expected a non-empty tuple or list of positive ints, got \(\)"),
+        ((8, 10**9), r"capture_sizes: expected sizes of at most 65536, got \[1000000000\] \(list\); use the batch or"),
     ],
 )
 def test_bad_capture_sizes(sizes, message):
@@ -334,3 +335,7 @@ def test_docs_config_md_is_generated_from_the_declarations():
         "docs/config.md is out of date: run python tools/config_docs.py > docs/config.md"
     for name in FLAT_NAMES:
         assert f"`{name}`" in text, name
+
+
+def test_capture_sizes_up_to_the_bound_are_accepted():
+    assert Config(capture_sizes=(1, MAX_CAPTURE_SIZE)).capture_sizes == (1, MAX_CAPTURE_SIZE)
