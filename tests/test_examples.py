@@ -6,6 +6,7 @@ An example that runs on several ranks says `# cgcompile-example: needs-torchrun`
 run under torchrun by tests/parallel/test_distributed.py instead.
 """
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -27,6 +28,19 @@ def test_example_runs(example):
     result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip(), f"{example.name} printed nothing"
+
+
+PARALLEL_EXAMPLES = [e for e in EXAMPLES if NEEDS_TORCHRUN in e.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("example", PARALLEL_EXAMPLES, ids=lambda p: p.name)
+def test_parallel_example_without_torchrun_says_how_to_run_it(example):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, str(example), "--device", "cpu"], capture_output=True, text=True,
+                            timeout=300, env=env)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "DistributedError: torchrun_worker: expected the environment torchrun" in last
+    assert "torchrun --nproc-per-node 2 " in last and f"{example.name} --device cpu" in last, last
 
 
 def test_toy_llama_example_prints_the_split():

@@ -248,11 +248,25 @@ def _tear_down(ok: bool) -> None:
         dist.destroy_process_group()  # gloo: pending work times out on its own
 
 
+# What torchrun sets for each worker, and init_process_group's env:// rendezvous reads.
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _require_torchrun() -> None:
+    """Refuse a script started without torchrun before torch's rendezvous fails on RANK."""
+    missing = [name for name in TORCHRUN_ENV if name not in os.environ]
+    script = " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]) if sys.argv and sys.argv[0] else "script.py"
+    expect(not missing, "torchrun_worker", "the environment torchrun sets for each rank",
+           f"no {', '.join(missing)}", f"run it under torchrun, e.g. torchrun --nproc-per-node 2 {script}",
+           DistributedError, raw=True)
+
+
 @contextlib.contextmanager
 def torchrun_worker(device_type: str) -> Iterator[torch.device]:
     """The life of one torchrun worker: start the process group (NCCL for "cuda", gloo for
     "cpu"), yield this rank's device (cuda:LOCAL_RANK, made current), and end with
     `shut_down`, clean when the body returned and aborting when it raised."""
+    _require_torchrun()
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     ok = False
     try:

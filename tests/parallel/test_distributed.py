@@ -12,6 +12,7 @@ import torch
 import cgcompile
 from cgcompile.capture import CaptureSession
 from cgcompile.errors import DistributedError
+from cgcompile.parallel.distributed import torchrun_worker
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
 from parallel_launch import ROOT, torchrun
 
@@ -118,6 +119,17 @@ def test_without_a_process_group_the_error_says_to_initialise_one():
     with pytest.raises(DistributedError, match=r"PipelineStage: expected an initialised torch.distributed process "
                                                r"group, got none; call torch.distributed.init_process_group"):
         PipelineStage(receives={}, sends={"x": TensorSpec((2,), torch.float32)}, max_rows=4, device="cpu")
+
+
+def test_torchrun_worker_without_torchrun_says_how_to_run(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DistributedError, match=r"^torchrun_worker: expected the environment torchrun sets for each "
+                                               r"rank, got no RANK, .*; run it under torchrun, e.g. torchrun "
+                                               r"--nproc-per-node 2 "):
+        with torchrun_worker("cpu"):
+            pass
+    assert not torch.distributed.is_initialized()
 
 
 # -- 2 GPUs, NCCL, CUDA graphs ---------------------------------------------------------------
