@@ -60,6 +60,12 @@ def test_readme_keeps_the_ci_commands():
     assert ci and all(command in readme for command in ci), f"README.md: expected .ci/run's commands {ci}"
 
 
+def test_readme_says_how_to_get_a_cpu_torch():
+    setup = _text(ROOT / "README.md").split("## On a fresh machine")[1].split("\n## ")[0]
+    assert "--index-url https://download.pytorch.org/whl/cpu" in setup, "README.md: expected the CPU wheel index"
+    assert "torchvision" in setup, "README.md: expected the warning that an unpinned torchvision pulls a CUDA torch"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_named_paths_exist(page):
     missing = sorted(path for path in _names(PATH, page) if "<" not in path and not (ROOT / path).exists())
