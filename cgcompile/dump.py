@@ -22,7 +22,8 @@ from torch._dynamo.utils import lazy_format_graph_code
 from .errors import ArgumentError, expect, expected
 from .stats import Piece
 
-SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")  # reason: eager, or unsafe to pad
+# reason: why eager, why compiled but never captured (gradients), or why unsafe to pad
+SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")
 
 
 def _code(gm) -> str:
@@ -62,6 +63,7 @@ def summarize(graph_index: int, pieces: list[Piece], capture_dim: str | None = N
                 "inputs": list(p.input_shapes),
                 "reason": p.reason,
                 "padding_unsafe": p.padding_unsafe,
+                "uncaptured": p.uncaptured,
             }
             for p in mine
         ],
@@ -87,7 +89,7 @@ def format_summary(summary: dict) -> str:
     """A fixed-width table of one graph's pieces."""
     rows = [
         (p["piece"], "yes" if p["capturable"] else "no", str(p["nodes"]), ", ".join(p["inputs"]),
-         p["reason"] or p.get("padding_unsafe") or "")
+         p["reason"] or p.get("uncaptured") or p.get("padding_unsafe") or "")
         for p in summary["pieces"]
     ]
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(SUMMARY_COLUMNS[:-1])]

@@ -89,6 +89,18 @@ def test_training_matches_eager_without_capturing(monkeypatch):
     assert graph_pieces and all(p.uncaptured == NEEDS_GRADIENTS for p in graph_pieces)
 
 
+def test_the_dump_says_why_a_training_graph_is_not_captured(monkeypatch):
+    from cgcompile import dump
+
+    helpers.fake_cuda_graphs(monkeypatch)
+    eager, compiled, backend = _models()
+    _assert_same_step(eager, compiled, _batch(1))
+    summary = dump.summarize(0, backend.pieces)
+    capturable = [p for p in summary["pieces"] if p["capturable"]]
+    assert capturable and all(p["uncaptured"] == NEEDS_GRADIENTS for p in capturable)
+    assert NEEDS_GRADIENTS in dump.format_summary(summary)
+
+
 def test_training_after_inference_runs_its_own_graph(monkeypatch):
     """Dynamo guards the grad mode: the no_grad graph captures, the training one does not."""
     helpers.fake_cuda_graphs(monkeypatch)
