@@ -80,11 +80,22 @@ class GraphManager:
         self._installed: Any = None  # what install() put on model.forward (compiled path)
         self.installed = False
         self._install_called = False  # install() ran, even where graphs off made it change nothing
-        log.info(
-            "cgcompile: %s runs %s", type(model).__name__,
-            "eagerly (CUDA graphs off)" if not self.graphs_enabled
-            else "breakable CUDA graphs" if self.use_breakable else "compiled pieces with CUDA graphs",
-        )
+        self._log_path()
+
+    def _log_path(self) -> None:
+        """Say once, here, which path runs. A breakable manager on a model off CUDA records
+        nothing (no CUDA graphs there), which a newcomer trying the quick start on a CPU
+        would otherwise only see as `describe()` saying 0 graphs: that case is a warning."""
+        name = type(self.model).__name__
+        if self.use_breakable and not self.graphs_enabled and self.config.cudagraphs is None:
+            log.warning("cgcompile: %s runs eagerly: %s, so there are no CUDA graphs and the breakable path "
+                        "records nothing (describe() shows 0 graphs); pass GraphManager(..., "
+                        "segments=\"op_replay\") to record the breakable path on this device for inspection "
+                        "or tests", name, self._graphs_off_because())
+            return
+        log.info("cgcompile: %s runs %s", name,
+                 "eagerly (CUDA graphs off)" if not self.graphs_enabled
+                 else "breakable CUDA graphs" if self.use_breakable else "compiled pieces with CUDA graphs")
 
     def _graphs_enabled(self) -> bool:
         if self.config.cudagraphs is not None:

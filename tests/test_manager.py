@@ -80,13 +80,32 @@ def test_manager_choice_comes_from_config_and_environment(monkeypatch, caplog):
     assert not cgcompile.GraphManager(model).use_breakable
     assert cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True)).use_breakable
     monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", "1")
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="cgcompile"):
         manager = cgcompile.GraphManager(model)
     assert manager.use_breakable
-    assert [r.getMessage() for r in caplog.records] == ["cgcompile: ToyLlama runs eagerly (CUDA graphs off)"]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
     monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", "yes")
     with pytest.raises(cgcompile.ConfigError, match="expected 0 or 1"):
         cgcompile.GraphManager(model)
+
+
+def test_breakable_manager_on_cpu_warns_that_it_records_nothing(monkeypatch, caplog):
+    monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
+    model = ToyLlama(1)
+    with caplog.at_level(logging.INFO, logger="cgcompile"):
+        manager = cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True))
+        manager.run_pw_graph(model, (torch.randint(0, 64, (3,)),))
+        manager.run_pw_graph(model, (torch.randint(0, 64, (3,)),))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "no parameter on CUDA" in warnings[0] and 'segments="op_replay"' in warnings[0]
+    assert "0 graphs" in manager.breakable.describe()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cgcompile"):  # off by the user's choice, or op_replay: no warning
+        cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True, cudagraphs=False))
+        cgcompile.GraphManager(model, cgcompile.Config(use_breakable=True), segments="op_replay")
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.INFO]
 
 
 def test_manager_without_graphs_runs_the_model_eagerly():
