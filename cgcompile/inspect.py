@@ -17,7 +17,7 @@ import textwrap
 
 from .dump import read_json
 from .errors import ArgumentError, CGCompileError, expect, expected
-from .memory_plan import format_plan, read_plans
+from .memory_plan import format_plan, plan_answers, read_plans
 
 _HOW_TO_DUMP = "compile with Config(dump_dir=...) or CGCOMPILE_DUMP_DIR set"
 _SUMMARY_KEYS = ("graph_index", "capture_dim", "pieces")
@@ -69,12 +69,15 @@ class DumpedGraph:
 
     @property
     def heading(self) -> str:
-        """"graph1: capture dimension s0 ...; 5 pieces, 3 capturable, 131 of 137 nodes captured"."""
+        """"graph1: capture dimension s0 ...; 5 pieces, 3 capturable (131 of 137 nodes)".
+
+        Not "captured": a dump does not say whether CUDA graphs ran (on a CPU none do), only
+        which nodes sit in pieces a capture would hold."""
         captured = sum(p.nodes for p in self.pieces if p.kind == "capturable")
         capturable = sum(p.kind == "capturable" for p in self.pieces)
         dim = "static (no capture dimension)" if self.static else f"capture dimension {self.capture_dim}"
-        return (f"{self.label}: {dim}; {len(self.pieces)} pieces, {capturable} capturable, "
-                f"{captured} of {sum(p.nodes for p in self.pieces)} nodes captured")
+        return (f"{self.label}: {dim}; {len(self.pieces)} pieces, {capturable} capturable "
+                f"({captured} of {sum(p.nodes for p in self.pieces)} nodes)")
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -243,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", "-v", action="store_true", help="every piece in full after the tables")
     parser.add_argument("--html", metavar="OUT.html", help="also write the split as one self-contained HTML page")
     args = parser.parse_args(argv)
+    bad_page = args.html and _unwritable_page(args.html)
+    if bad_page:  # checked before the tables, so the error is not lost under them
+        print(f"{parser.prog}: --html: {bad_page}", file=sys.stderr)
+        return 2
     try:
         runs = read_dump(args.dump_dir)
         chosen = find_pieces(runs, args.piece) if args.piece else []
@@ -252,11 +259,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n\n".join(format_piece(p) for p in chosen) if chosen else format_runs(runs, args.verbose))
     if args.html:
-        # only the page needs it
-
         write_page(args.html, runs, args.dump_dir)
         print(f"wrote {args.html}")
     return 0
+
+
+def _unwritable_page(path: str) -> str:
+    """Why the page cannot be written at path ("" when it can): a folder, or a file under a
+    folder that does not exist."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return (f"expected a file path for the page, got the folder {path!r}; "
+                f"pass a file name in it, e.g. --html {os.path.join(path, 'split.html')}")
+    if not os.path.isdir(folder):
+        return (f"expected a file path in an existing folder, got {path!r}, whose folder {folder!r} "
+                f"does not exist; create it first or pass a path in an existing folder")
+    return ""
 
 
 def format_runs(runs: list[DumpedRun], verbose: bool = False) -> str:
@@ -360,13 +378,14 @@ def _piece_html(piece: DumpedPiece) -> str:
 
 def _plan(plan: dict) -> str:
     """A memory plan as a table: size, graphs, pool after capturing it, captured."""
+    verb, answers = plan_answers(plan)
     rows = "".join(
         f"<tr><td>{_esc(row['size'])}</td><td>{_esc('?' if row['graphs'] is None else row['graphs'])}</td>"
-        f"<td>{_mib(row['pool_bytes'])}</td><td>{'yes' if row['size'] in plan['captured'] else 'no'}</td></tr>"
-        for row in plan["sizes"])
+        f"<td>{_mib(row['pool_bytes'])}</td><td>{_esc(answer)}</td></tr>"
+        for row, answer in zip(plan["sizes"], answers))
     budget = f", budget {_mib(plan['budget'])}" if plan.get("budget") is not None else ""
     return (f"<h2>memory plan: model {_esc(plan['name'])}{budget}</h2><table>"
-            f"<tr><th>size</th><th>graphs</th><th>pool after</th><th>captured</th></tr>{rows}</table>")
+            f"<tr><th>size</th><th>graphs</th><th>pool after</th><th>{_esc(verb)}</th></tr>{rows}</table>")
 
 
 def _mib(value) -> str:

@@ -105,8 +105,7 @@ def format_plan(plan: dict) -> str:
     capture size gets no graphs of its own: its calls, the capture's too, run padded up.
     """
     ran = plan.get("actual_bytes") is not None
-    configured = tuple(plan.get("capture_sizes") or ())
-    own = [s for s in plan["captured"] if not configured or s in configured]
+    own = _own_sizes(plan)
     rows = [(r["size"], r["graphs"], r["pool_bytes"]) for r in plan["sizes"]]
     graphs = sum(g or 0 for s, g, _ in rows if s in own)
     estimate = next((b for s, _, b in reversed(rows) if s in own), 0) if own else 0
@@ -116,13 +115,29 @@ def format_plan(plan: dict) -> str:
         head.append(f"actual {_mib(plan['actual_bytes'])}")
     if plan.get("budget") is not None:
         head.append(f"budget {_mib(plan['budget'])}")
-    verb = "captured" if ran else "would capture"
+    verb, answers = plan_answers(plan)
     lines = [", ".join(head), f"  {'size':>6}  {'graphs':>6}  {'pool after':>12}  {verb}"]
-    for size, count, pool in rows:
+    for (size, count, pool), answer in zip(rows, answers):
         count = "?" if count is None else count
-        lines.append(f"  {size:>6}  {count:>6}  {_mib(pool):>12}  {_row_answer(size, own, configured)}")
+        lines.append(f"  {size:>6}  {count:>6}  {_mib(pool):>12}  {answer}")
     lines.append(_calls_line(own, ran))
     return "\n".join(lines)
+
+
+def plan_answers(plan: dict) -> tuple[str, tuple[str, ...]]:
+    """The heading of a plan's last column ("captured" once a capture ran under it, "would
+    capture" before) and its answer per row of plan["sizes"]; the text table and
+    `inspect --html` both print these, so the two never disagree."""
+    verb = "captured" if plan.get("actual_bytes") is not None else "would capture"
+    configured = tuple(plan.get("capture_sizes") or ())
+    own = _own_sizes(plan)
+    return verb, tuple(_row_answer(r["size"], own, configured) for r in plan["sizes"])
+
+
+def _own_sizes(plan: dict) -> list[int]:
+    """The planned sizes that get graphs of their own (a capture size, where those are known)."""
+    configured = tuple(plan.get("capture_sizes") or ())
+    return [s for s in plan["captured"] if not configured or s in configured]
 
 
 def _row_answer(size: int, own: list[int], configured: tuple[int, ...]) -> str:

@@ -65,7 +65,7 @@ def test_static_graph_says_what_to_set(tmp_path, capsys):
     write_static_summary(tmp_path)
     code, out, _ = run_inspect(capsys, tmp_path)
     assert code == 0
-    assert "graph0: static (no capture dimension); 3 pieces, 2 capturable, 77 of 80 nodes captured" in out
+    assert "graph0: static (no capture dimension); 3 pieces, 2 capturable (77 of 80 nodes)" in out
     assert "Config(capture_input=..., capture_input_dim=...)" in out and "The capture dimension" in out
     assert "graph0.piece_1  eager" in out and "dynamic_shape, split_op at keys (+1)" in out
 
@@ -134,6 +134,45 @@ def test_html_page(tmp_path, capsys):
     eager_title = parser.strips[0][1][1][1]
     assert ATTENTION_REASON in eager_title and CACHE_REASON in eager_title
     text = " ".join(parser.text)
-    assert "77 of 80 nodes captured" in text and "Config(capture_input=..., capture_input_dim=...)" in text
+    assert "2 capturable (77 of 80 nodes)" in text and "Config(capture_input=..., capture_input_dim=...)" in text
     assert "memory plan: model decoder" in text and parser.tables == 1
     assert parser.urls == [] and "http" not in html and "url(" not in html and "<script" not in html
+
+
+class CellParser(HTMLParser):
+    """The text of every <th> and <td>, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.cells, self._open = [], False
+
+    def handle_starttag(self, tag, attrs):
+        self._open = tag in ("th", "td")
+
+    def handle_data(self, data):
+        if self._open:
+            self.cells.append(data)
+            self._open = False
+
+
+def test_html_plan_made_before_a_capture_says_would_capture(tmp_path, capsys):
+    # Planned on CPU: nothing captured; 4 is planned but not a capture size, so it runs at 8.
+    plan = MemoryPlan("decoder", (SizePlan(8, 5, None), SizePlan(4, 5, None)), (8, 4), capture_sizes=(8,))
+    write_plan(str(tmp_path), plan)
+    page = tmp_path / "split.html"
+    code, out, _ = run_inspect(capsys, tmp_path, "--html", page)
+    assert code == 0 and "would capture" in out
+    parser = CellParser()
+    parser.feed(page.read_text())
+    header, rows = parser.cells[:4], parser.cells[4:]
+    assert header == ["size", "graphs", "pool after", "would capture"]
+    assert rows[3::4] == ["yes", "no: not a capture size (runs at 8)"]
+
+
+def test_html_path_that_cannot_be_written_is_one_line_before_the_table(tmp_path, capsys):
+    write_static_summary(tmp_path / "dump")
+    for path, says in ((tmp_path, "got the folder"), (tmp_path / "missing" / "x.html", "does not exist")):
+        code, out, err = run_inspect(capsys, tmp_path / "dump", "--html", path)
+        assert code == 2 and out == ""
+        assert len(err.strip().splitlines()) == 1 and str(path) in err and says in err
+        assert "Traceback" not in err
