@@ -33,7 +33,14 @@ from .config import Config, as_config
 from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
 from .full_graph import FullGraph
 from .graph_piece import CudaGraphPiece
-from .memory_plan import MemoryPlan, capture_within_budget, count_graphs, profile_plan, write_plan
+from .memory_plan import (
+    MemoryPlan,
+    capture_within_budget,
+    count_graphs,
+    profile_plan,
+    require_profiling_device,
+    write_plan,
+)
 from .recovery import UncapturableOps
 from .runtime import GraphRuntime
 from .stats import BackendStats, Piece, PieceRecords
@@ -202,6 +209,7 @@ class Backend:
                    memory_budget, "pass the compiled model and make_inputs: bytes are measured on CUDA")
             plan = count_graphs(self, sizes, name)
         else:
+            require_profiling_device("plan_memory")
             plan = profile_plan(self, model, make_inputs, sizes, memory_budget, name)
         write_plan(self.config.resolved_dump_dir(), plan)
         return plan

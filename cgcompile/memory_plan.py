@@ -33,6 +33,7 @@ import logging
 import os
 from typing import Any
 
+from . import aot_capture
 from .aot_capture import MakeInputs, capture_all, check_capture_call, require_cuda_graphs, requested_sizes
 from .dump import read_json
 from .errors import CaptureError, expect, expected
@@ -213,6 +214,16 @@ def _graphs_per_call(backend) -> tuple[int, int]:
 
 
 # -- the plan on CUDA -------------------------------------------------------------------------
+
+
+def require_profiling_device(culprit: str) -> None:
+    """Raise CaptureError without CUDA, naming what works there: profiling captures real
+    graphs, while `plan_memory()` with no arguments counts them on any device."""
+    if not aot_capture.cuda_present():
+        raise CaptureError(expected(
+            culprit, "a CUDA device for profiling the graphs' memory", "none: torch.cuda.is_available() is False",
+            "on CPU call plan_memory() with no arguments for the plan without profiling (graphs counted, "
+            "bytes unknown)", raw=True))
 
 
 def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_budget: int | None = None,

@@ -174,7 +174,7 @@ ROWS = {
     "capture budget float": Row(lambda w: w.backend.capture(w.compiled, w.make_inputs, memory_budget=2e9),
                                 ArgumentError, "Backend.capture: memory_budget", "int(...)"),
     "plan budget on cpu": Row(lambda w: w.backend.plan_memory(w.compiled, w.make_inputs, memory_budget=1 << 30),
-                              CaptureError, "plan_memory", "CUDA graphs need CUDA"),
+                              CaptureError, "plan_memory", "on CPU call plan_memory() with no arguments"),
     "backend_of an eager model": Row(lambda w: cgcompile.backend_of(w.model), ArgumentError, "backend_of",
                                      "called at least once"),
     "capture_input unknown": Row(capture_sequential("x"), ConfigError, "capture_input", "input (L['args'][0])"),

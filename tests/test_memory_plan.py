@@ -120,6 +120,16 @@ def test_a_budget_on_cpu_says_cuda_is_needed():
         backend.capture(compiled, lambda size, warmup: (_ids(size),), memory_budget=1 << 30)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_profiling_on_cpu_names_the_plan_without_profiling():
+    _, backend, compiled = _compiled()
+    compiled(_ids(3))
+    with pytest.raises(cgcompile.CaptureError, match=r"plan_memory: expected a CUDA device for profiling the "
+                       r"graphs' memory, got none.*on CPU call plan_memory\(\) with no arguments"):
+        backend.plan_memory(compiled, lambda size, warmup: (_ids(size),))
+    assert backend.plan_memory().graphs > 0  # what the message offers works here
+
+
 def test_inspect_prints_the_plan(tmp_path):
     plan = MemoryPlan("vision", (SizePlan(32, 5, 48 << 20), SizePlan(8, 5, 50 << 20), SizePlan(1, None, None)),
                       (32, 8), budget=64 << 20, actual_bytes=50 << 20)
