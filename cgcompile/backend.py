@@ -136,6 +136,7 @@ class Backend:
             split.stitch, list(runners.runners), clone, self.config.cudnn_attention,
             phases.call_sizing(build, self.session), build.step,
             full=full.graph, fused=fusion.weights, addresses=watch, session=self.session, recovery=recovery,
+            graph_name=f"graph{index}",
         )
         self.runtimes.append(runtime)
         self._dump(index, gm, split, analysis, full.summary)

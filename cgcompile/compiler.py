@@ -232,7 +232,6 @@ class PieceCompiler:
             make = lambda: self._inductor(inductor_compile, gm, list(args), self.size_options)  # noqa: E731
         return self.cache.get(dataclasses.replace(key, size=size), make, what=f"piece {name} at size {size}")
 
-
     def _inductor(self, compile_fn: Callable, *args) -> Callable:
         """compile_fn(*args) with the all-reduce post-grad pass in Inductor's config."""
         with compiling_with(self.all_reduce_pass):

@@ -141,6 +141,7 @@ class GraphRuntime:
     addresses: the parameters and buffers to watch (None without CUDA graphs); watched
         by `self.addresses`, a `weights.ParameterAddresses`.
     session: the capture session of the graphs (read when moved parameters drop them).
+    graph_name: the Dynamo graph's ("graph<k>"), for the replay plans' log.
     recovery: a `recovery.PieceRecovery`, which the graph pieces call when their
         capture fails.
     """
@@ -158,6 +159,7 @@ class GraphRuntime:
         fused: FusedWeights | None = None,
         addresses: AddressWatch | None = None,
         session: Any = None,
+        graph_name: str = "graph",
         recovery: Any = None,
     ):
         calls = {}
@@ -182,7 +184,7 @@ class GraphRuntime:
         # (Config.check_addresses: the graph pieces' own replay does that).
         self.plans = None if session is None or session.check_addresses or not any(
             hasattr(r, "captured_graph") for r in runners) else ReplayPlans(
-                stitch, vars(self._namespace), session, runners[0].piece_name.rsplit(".", 1)[0])
+                stitch, vars(self._namespace), session, graph_name)
         if recovery is not None:
             recovery.arm(self)
 

@@ -204,6 +204,7 @@ class BreakableRunner:
                      "your word that the module's rows never mix", self.name, config.exact_size_limit)
         self.rule = SignatureRule(self.name, self.group.logged)
         self._forward = module.forward
+        self._warned_for_autograd = False  # the eager-for-autograd warning, once per runner
         # Segments read the module's parameters and buffers in place: a call whose tensors
         # moved (replaced, not updated in place) must not replay (`parameter_addresses`).
         self._tensors = ModuleTensors(module)
@@ -245,16 +246,26 @@ class BreakableRunner:
         if size is None or not self.addresses.allow_addresses(self._tensors.read()):
             return self._forward(*args, **kwargs)
         if torch.is_grad_enabled() and self._needs_gradients(leaves):
-            _warn_eager_for_autograd(self.name)
+            self._warn_eager_for_autograd()
             return self._forward(*args, **kwargs)
         decision = self.rule.decide(size, leaves, structure, n, self.session.mode)
         if decision.action is Action.EAGER:
             return self._forward(*args, **kwargs)
         if decision.action is Action.REPLAY:
-            outputs = self._replay(decision.entry, leaves, n, size)
-        else:
-            outputs = self._record(decision.action, leaves, structure, n, size)
-        return outputs
+            return self._replay(decision.entry, leaves, n, size)
+        return self._record(decision.action, leaves, structure, n, size)
+
+    def _warn_eager_for_autograd(self) -> None:
+        """A call that builds an autograd graph runs the eager module: a replay runs outside
+        autograd's view, and what autograd would save at capture (static buffers, pool
+        memory) every later replay rewrites, so a backward through it would compute another
+        call's gradients. Said once per runner."""
+        if self._warned_for_autograd:
+            return
+        self._warned_for_autograd = True
+        log.warning("cgcompile: %s: a call that needs gradients runs eagerly, without breakable graphs (a "
+                    "backward through a replay would read memory later replays rewrite); run inference under "
+                    "torch.no_grad(), or train through torch.compile(model, backend='cgcompile')", self.name)
 
     def _needs_gradients(self, leaves: list) -> bool:
         """Whether eager's call would build an autograd graph (read with grad mode on only)."""
@@ -327,22 +338,6 @@ def write_back(x: torch.Tensor, written: torch.Tensor) -> None:
                         and written.shape == x.shape):
         return
     x.copy_(written if written.shape == x.shape else written[:x.shape[0]])
-
-
-_WARNED_FOR_AUTOGRAD: set[str] = set()
-
-
-def _warn_eager_for_autograd(name: str) -> None:
-    """A call that builds an autograd graph runs the eager module: a replay runs outside
-    autograd's view, and what autograd would save at capture (static buffers, pool memory)
-    every later replay rewrites, so a backward through it would compute another call's
-    gradients. Said once per runner."""
-    if name in _WARNED_FOR_AUTOGRAD:
-        return
-    _WARNED_FOR_AUTOGRAD.add(name)
-    log.warning("cgcompile: %s: a call that needs gradients runs eagerly, without breakable graphs (a backward "
-                "through a replay would read memory later replays rewrite); run inference under torch.no_grad(), "
-                "or train through torch.compile(model, backend='cgcompile')", name)
 
 
 def _cut(outputs, n: int, size: int, clone: bool):
