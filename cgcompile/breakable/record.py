@@ -2,7 +2,7 @@
 
 The module runs once under a dispatch mode. Split ops, `@eager_break` functions and
 integration hooks (`run_as_eager_break`) end the current segment and run eagerly; every
-other op belongs to a segment (`breakable_segments` says what a segment is recorded into).
+other op belongs to a segment (`breakable.segments` says what a segment is recorded into).
 Along the way the recorder tracks where each tensor comes from, by storage, so that
 `finish` can say:
 
@@ -95,7 +95,7 @@ class SegmentStep:
         self.replay = replay
         self.ops = ops or {}
 
-    def __call__(self, live: list) -> None:
+    def __call__(self, live: list, results: list) -> None:
         self.replay()
 
     def describe(self) -> str:
@@ -106,19 +106,25 @@ class SegmentStep:
 class EagerStep:
     """Re-runs one eager break with its captured arguments, some replaced by live values.
 
-    subs: (position among the flattened arguments, producer, index): the call's input leaf
-    `index` when producer is None, else `producer.last[index]` (a live result of an
-    earlier step). static_results: (index, tensor): result leaves that captured ops read,
-    copied into the tensor they had at capture.
+    A replay calls each step as `step(live, results)`: live holds the call's input leaves,
+    results what each earlier step of this replay returned (by position in the steps). An
+    eager step returns its result leaves when a later eager step reads them (`keep`), else
+    None; a segment step returns None. Nothing passes between steps outside that list, and
+    nothing outlives the replay.
+
+    subs: (position among the flattened arguments, step, index): the call's input leaf
+    `index` when step is None, else `results[step][index]` (a live result of an earlier
+    step). static_results: (index, tensor): result leaves that captured ops read, copied
+    into the tensor they had at capture.
     """
 
     __slots__ = ("label", "fn", "args", "kwargs", "flat", "structure", "subs", "count", "static_results",
-                 "keep_last", "last", "owner", "positional")
+                 "keep", "owner", "positional")
 
-    def __init__(self, label, fn, flat, structure, subs, count, static_results, keep_last, owner):
+    def __init__(self, label, fn, flat, structure, subs, count, static_results, keep, owner):
         self.label, self.fn, self.flat, self.structure = label, fn, flat, structure
         self.subs, self.count, self.static_results = subs, count, static_results
-        self.keep_last, self.last, self.owner = keep_last, None, owner
+        self.keep, self.owner = keep, owner
         self.args, self.kwargs = unflatten_call(flat, structure)
         # Flat calls (the usual case) rebuild args and kwargs without walking the structure.
         self.positional = len(structure[0]) if is_flat(structure) else None
@@ -127,11 +133,11 @@ class EagerStep:
         live = f", {len(self.subs)} arguments live" if self.subs else ""
         return f"eager step: {self.label}{live}"
 
-    def __call__(self, live: list) -> None:
+    def __call__(self, live: list, results: list) -> list | None:
         if self.subs:
             flat = self.flat.copy()
-            for position, producer, index in self.subs:
-                flat[position] = live[index] if producer is None else producer.last[index]
+            for position, step, index in self.subs:
+                flat[position] = live[index] if step is None else results[step][index]
             if self.positional is not None:
                 args, kwargs = flat[:self.positional], dict(zip(self.structure[1], flat[self.positional:]))
             else:
@@ -155,8 +161,14 @@ class EagerStep:
                     "with the cache update), or return the same shape on every call", raw=True))
             if fresh.data_ptr() != static.data_ptr():
                 static.copy_(fresh)
-        if self.keep_last:
-            self.last = leaves
+        return leaves if self.keep else None
+
+
+def replay_steps(steps: list, live: list) -> None:
+    """Run a recording's steps in order, handing each the results of the steps before it."""
+    results: list = []
+    for step in steps:
+        results.append(step(live, results))
 
 
 def tensor_leaves(value) -> list[torch.Tensor]:
@@ -421,16 +433,15 @@ class Recorder:
                          self.uncapturable)
 
     def _steps(self) -> list:
-        steps, built = [], {}
+        steps, positions = [], {}  # positions: eager record index -> its step's position in steps
         for kind, item in self.order:
-            if kind == "segment":
-                steps.append(item)
-                continue
-            built[item] = step = self._eager_step(item, self.eager[item], built)
-            steps.append(step)
+            if kind == "eager":
+                positions[item] = len(steps)
+                item = self._eager_step(item, self.eager[item], positions)
+            steps.append(item)
         return steps
 
-    def _eager_step(self, index: int, record: _EagerRecord, built: dict) -> EagerStep:
+    def _eager_step(self, index: int, record: _EagerRecord, positions: dict) -> EagerStep:
         flat = list(record.flat)
         subs = []
         for position, (kind, where) in record.sources.items():
@@ -438,13 +449,13 @@ class Recorder:
                 subs.append((position, None, where))
                 flat[position] = None  # the live value replaces it: do not keep the capture's alive
             elif kind == "result" and where not in self.segment_results:
-                subs.append((position, built[where[0]], where[1]))
+                subs.append((position, positions[where[0]], where[1]))
                 flat[position] = None
         static_results = [(j, t) for j, t in enumerate(record.results) if (index, j) in self.segment_results]
-        keep_last = any((index, j) in self.eager_results and (index, j) not in self.segment_results
-                        for j in range(len(record.results)))
+        keep = any((index, j) in self.eager_results and (index, j) not in self.segment_results
+                   for j in range(len(record.results)))
         return EagerStep(record.label, record.fn, flat, record.structure, subs, len(record.results),
-                         static_results, keep_last, self.name)
+                         static_results, keep, self.name)
 
     def _is_static_input(self, index: int) -> bool:
         # Non-tensor inputs: live objects are replaced, frozen values stay as captured.

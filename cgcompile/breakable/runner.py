@@ -67,7 +67,7 @@ from ..config import Config
 from ..errors import expect
 from ..ops import call_without_cudnn_attention
 from ..weights import ModuleTensors, ParameterAddresses
-from .record import Recorder, recording, run_as_eager_break
+from .record import Recorder, recording, replay_steps, run_as_eager_break
 from .segments import SEGMENT_KINDS, observer_for, segments_for
 from .signature import Action, Signature, SignatureRule, flatten_call, unflatten_call
 
@@ -282,8 +282,7 @@ class BreakableRunner:
             live = list(leaves)
             for index in entry.live_tensor_inputs:
                 live[index] = padded_rows_copy(leaves[index], n, size)
-        for step in entry.steps:
-            step(live)
+        replay_steps(entry.steps, live)
         for index, buffer in entry.written:
             write_back(leaves[index], live[index] if buffer is None else buffer)
         # A replay rewrites the static outputs behind autograd's back; bump their version so
