@@ -110,7 +110,7 @@ def check_pool(culprit: str, pool: Any) -> None:
 
 def check_cudagraphs_setting(culprit: str, config) -> None:
     """Config.cudagraphs=True asks for graphs: refuse it where there is no CUDA."""
-    expect(config.cudagraphs is not True or cuda_present(), f"{culprit}: Config.cudagraphs",
+    expect(config.graphs.cudagraphs is not True or cuda_present(), f"{culprit}: Config.cudagraphs",
            "None or False on a machine without CUDA", True, "leave cudagraphs=None: the model then runs eagerly",
            ConfigError)
 

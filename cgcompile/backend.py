@@ -75,13 +75,13 @@ class Backend:
         self._records = PieceRecords(self.pieces, self._stats)  # what compiles add and recovery updates
         self.runtimes: list[GraphRuntime] = []
         self._compiler = PieceCompiler(
-            self.config.compiler, self.config.compile_sizes,
-            dict(self.config.inductor_options), dict(self.config.size_inductor_options),
-            all_reduce=self.config.all_reduce,
+            self.config.compile.compiler, self.config.compile.compile_sizes,
+            dict(self.config.compile.inductor_options), dict(self.config.compile.size_inductor_options),
+            all_reduce=self.config.rewrites.all_reduce,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
-        self._eager_compiles = EagerPieceCompiles(dict(self.config.inductor_options), self.config.cudnn_attention)
+        self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options), self.config.split.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
         self._fused_copies = FusedCopies()  # Config.fuse_sibling_linears, shared by all graphs
         # Ops a capture failed on (capture recovery): later graphs split there at once.
@@ -133,7 +133,7 @@ class Backend:
         watch = phases.address_watch(build, gm, split, fusion)
         recovery = phases.piece_recovery(build, split, self._records, self._uncapturable)
         runtime = GraphRuntime(
-            split.stitch, list(runners.runners), clone, self.config.cudnn_attention,
+            split.stitch, list(runners.runners), clone, self.config.split.cudnn_attention,
             phases.call_sizing(build, self.session), build.step,
             full=full.graph, fused=fusion.weights, addresses=watch, session=self.session, recovery=recovery,
             graph_name=f"graph{index}",
@@ -180,8 +180,8 @@ class Backend:
             self.memory_plan = capture_within_budget(self, model, make_inputs, memory_budget, sizes, progress, name)
             return self.memory_plan.graphs
         check_capture_call("Backend.capture", model, make_inputs, progress)
-        sizes = requested_sizes("Backend.capture", sizes, self.config.capture_sizes, bounded=True)
-        require_cuda_graphs("Backend.capture", self.config.cudagraphs is not False, "Config.cudagraphs=False")
+        sizes = requested_sizes("Backend.capture", sizes, self.config.sizes.capture_sizes, bounded=True)
+        require_cuda_graphs("Backend.capture", self.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
         captured = capture_all(self.session, model, make_inputs, sizes, progress)
         require_captured("Backend.capture", self.session)
         return captured
@@ -222,8 +222,8 @@ class Backend:
         Raises CaptureError as `capture` does, before running anything.
         """
         check_capture_call("profile_capture_memory", model, make_inputs, False)
-        sizes = requested_sizes("profile_capture_memory", sizes, self.config.capture_sizes, bounded=False)
-        require_cuda_graphs("profile_capture_memory", self.config.cudagraphs is not False, "Config.cudagraphs=False")
+        sizes = requested_sizes("profile_capture_memory", sizes, self.config.sizes.capture_sizes, bounded=False)
+        require_cuda_graphs("profile_capture_memory", self.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
         if any(r.graphs for r in self._graph_runners()):
             raise CaptureError(
                 "profile_capture_memory: expected no captured graphs, got some; call it before the "

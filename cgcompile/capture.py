@@ -182,10 +182,10 @@ class CaptureSession:
     def for_config(cls, config, *, pool=None, sizes: tuple[int, ...] | None = None) -> "CaptureSession":
         """The session a Config asks for (its sizes unless `sizes`), on `pool` if given."""
         return cls(
-            sizes or config.capture_sizes,
+            sizes or config.sizes.capture_sizes,
             pool=as_pool(pool),
-            error_mode=config.capture_error_mode,
-            check_addresses=config.check_addresses,
+            error_mode=config.graphs.capture_error_mode,
+            check_addresses=config.debug.check_addresses,
         )
 
     @property

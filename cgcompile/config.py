@@ -1,11 +1,12 @@
 """The one frozen configuration object, grouped by concern and validated when it is built.
 
 `Config` holds one small frozen record per concern (`Split`, `Sizes`, `Compile`, `Graphs`,
-`Rewrites`, `FullGraphOptions`, `Debug`, `Manager`). Each field is declared once, with its doc,
-its check and its flat name, by `option`; everything else is derived from those
-declarations: the flat keywords `Config(capture_sizes=...)` and the torch.compile options
-dict accept, the flat attributes the engine reads (`config.capture_sizes`), the checks
-run at construction, and docs/config.md (`python tools/config_docs.py`).
+`Rewrites`, `FullGraphOptions`, `Debug`, `Manager`). Each field is declared once, with its doc
+and its check, by `option`; everything else is derived from those declarations: the flat
+keywords `Config(capture_sizes=...)` and the torch.compile options dict accept (aliases of
+the group fields of the same name), the checks run at construction, and docs/config.md
+(`python tools/config_docs.py`). Flat names are for writing a Config only: it is read
+through its groups (`config.sizes.capture_sizes`), by the engine and by users alike.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import tempfile
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -40,23 +42,17 @@ Check = Callable[[str, Any], None]
 Normalise = Callable[[str, Any], Any]
 
 
-def option(default: Any, check: Check, doc: str, *, flat: str | None = None,
-           normalise: Normalise | None = None) -> Any:
-    """A group's field: its default, its check (raises ConfigError naming the culprit), its
-    doc (rendered into docs/config.md) and its flat name in `Config(...)` where that differs
-    from the field's own name. `normalise` turns accepted spellings (a list, a dict, numpy
-    ints) into the stored form before the check runs."""
-    metadata = {"check": check, "doc": " ".join(doc.split()), "flat": flat, "normalise": normalise or _same}
+def option(default: Any, check: Check, doc: str, *, normalise: Normalise | None = None) -> Any:
+    """A group's field: its default, its check (raises ConfigError naming the culprit) and
+    its doc (rendered into docs/config.md). Its name is also its flat name in `Config(...)`
+    and the options dict, so every name is unique across the groups. `normalise` turns
+    accepted spellings (a list, a dict, numpy ints) into the stored form before the check runs."""
+    metadata = {"check": check, "doc": " ".join(doc.split()), "normalise": normalise or _same}
     return dataclasses.field(default=default, metadata=metadata)
 
 
 def _same(name: str, value: Any) -> Any:
     return value
-
-
-def flat_name(field: dataclasses.Field) -> str:
-    """The name a group's field has in `Config(...)`, the options dict and flat reads."""
-    return field.metadata["flat"] or field.name
 
 
 # -- one check per field: each raises ConfigError("field: expected X, got Y; do Z") -------
@@ -270,25 +266,39 @@ class _Group:
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
-            culprit = flat_name(field)  # the name most users wrote, and the one the docs list first
-            value = field.metadata["normalise"](culprit, getattr(self, field.name))
+            value = field.metadata["normalise"](field.name, getattr(self, field.name))
             object.__setattr__(self, field.name, value)
-            field.metadata["check"](culprit, value)
+            field.metadata["check"](field.name, value)
 
 
 def _group(cls: type) -> type:
     """`cls` as a frozen keyword-only dataclass whose unknown or positional arguments raise
-    ConfigError (with the nearest name), as Config's do."""
+    ConfigError (with the nearest name), as Config's do. A name in the class's `_RENAMED`
+    (old name -> field) is still accepted, with a DeprecationWarning."""
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)
     init = cls.__init__
 
     @functools.wraps(init)
     def checked_init(self, *args: Any, **kwargs: Any) -> None:
+        kwargs = _renamed(cls, kwargs)
         _check_names(cls.__name__, args, kwargs, [f.name for f in dataclasses.fields(cls)])
         init(self, **kwargs)
 
     cls.__init__ = checked_init
     return cls
+
+
+def _renamed(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with the old names of `cls`'s fields replaced by the new ones, each with a warning."""
+    renamed = getattr(cls, "_RENAMED", {})
+    for old in [name for name in kwargs if name in renamed]:
+        new = renamed[old]
+        expect(new not in kwargs, cls.__name__, f"{new} once", f"both {old} and {new}",
+               f"write only {new} ({old} is its old name)", ConfigError, raw=True)
+        warnings.warn(f"{cls.__name__}({old}=...) is deprecated: write {cls.__name__}({new}=...), "
+                      f"the name it has in Config(...) too", DeprecationWarning, stacklevel=3)
+        kwargs = {(new if name == old else name): value for name, value in kwargs.items()}
+    return kwargs
 
 
 @_group
@@ -318,7 +328,7 @@ class Sizes(_Group):
         Which graph input holds the capture dimension, named as in the model's forward (e.g.
         "input_ids"); None: the default rule of `cgcompile.passes.find_capture_dim`.""")
     capture_input_dim: int = option(0, _count("e.g. 1 for input_ids' dimension 1"), doc="""
-        Which dimension of `capture_input` is the capture dimension.""")
+        Which dimension of `capture_input` is the capture dimension. Needs `capture_input`.""")
     padding: bool | None = option(None, _optional_bool, doc="""
         None pads calls to the capture sizes when CUDA graphs are on; True pads them even without
         graphs (on CPU too: how the tests exercise padding); False never pads (every graph is
@@ -330,6 +340,15 @@ class Sizes(_Group):
         A graph that runs at exact sizes (padding off, or unsafe to pad) captures one set of CUDA
         graphs per distinct size: for each capture size, and for at most this many other sizes;
         calls of further new sizes run its pieces without graphs (logged once).""")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The default rule finds its own dimension: a dimension without an input would be dropped.
+        expect(self.capture_input is not None or self.capture_input_dim == 0, "capture_input_dim",
+               "capture_input beside it (the input whose dimension it names)",
+               f"capture_input_dim={self.capture_input_dim} without capture_input",
+               "add capture_input='<the forward argument>' (e.g. capture_input='input_ids'), or leave "
+               "capture_input_dim out", ConfigError, raw=True)
 
 
 @_group
@@ -365,10 +384,11 @@ class Graphs(_Group):
         None: on when the graph's tensors are on CUDA.""")
     capture_error_mode: str = option("global", _choice("global", "thread_local", "relaxed"), doc="""
         torch's check for unsafe CUDA calls during capture: "global", "thread_local" (other
-        threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed".""")
+        threads, e.g. NCCL proxies, may use CUDA meanwhile) or "relaxed". Refused beside
+        cudagraphs=False, as are `reuse_output_buffers` and `check_addresses`: nothing is captured.""")
     reuse_output_buffers: bool = option(False, _bool, doc="""
         Return the graphs' static output buffers instead of copies. Faster, but a later call
-        overwrites outputs the caller still holds.""")
+        overwrites outputs the caller still holds. Needs CUDA graphs (refused with cudagraphs=False).""")
 
 
 @_group
@@ -406,15 +426,16 @@ class FullGraphOptions(_Group):
     that runs with CUDA graphs and has an eager piece gets `FullGraphOptions(small_query_attention=True)`
     (without small_query_attention under compiler="eager"), any other graph none (see
     `Config.full_graph_for`); None turns full graphs off. The options exist only inside this
-    record, so none can be set without it. Flat reads see the automatic options where it is "auto"
-    (none with cudagraphs=False), `capturable_split_ops=()` and the defaults below where it is None."""
+    record, so none can be set without it. The fields were once named `split_ops` and `compile`:
+    those names are still accepted here, with a DeprecationWarning."""
 
-    split_ops: tuple[Any, ...] = option(("attention",), _capturable_ops, flat="capturable_split_ops",
-                                        normalise=_as_tuple, doc="""
+    _RENAMED = {"split_ops": "capturable_split_ops", "compile": "full_graph_compile"}
+
+    capturable_split_ops: tuple[Any, ...] = option(("attention",), _capturable_ops, normalise=_as_tuple, doc="""
         Split ops that may be captured into the full graph: "attention" (every form of
         scaled-dot-product attention), op objects or "ns::op[.overload]" (see `cgcompile.ops`).
         At least one.""")
-    compile: bool = option(False, _bool, flat="full_graph_compile", doc="""
+    full_graph_compile: bool = option(False, _bool, doc="""
         Capture the whole Dynamo graph compiled by Inductor at its size (fused across what are
         piece boundaries), at the cost of one compile of the whole graph per captured size, made at
         that size's first capture (counted in `stats.full_graph_compilations`, its seconds in
@@ -425,20 +446,21 @@ class FullGraphOptions(_Group):
         Attention calls of at most 16 query rows (decode) are compiled as two batched matmuls
         around a float32 softmax, which spread over the whole GPU, instead of SDPA's kernels, which
         walk the keys with one thread block per head (precision that of Hugging Face's eager
-        attention): inside the whole-graph compile with `compile`, else by compiling each eager
-        piece that holds such a call at the shapes of its capture (identical layers share one
-        compile). Piecewise calls are unchanged. Needs compiler="inductor" or `compile=True`
-        (flat: full_graph_compile=True). See `cgcompile.passes.small_query`.""")
+        attention): inside the whole-graph compile with `full_graph_compile`, else by compiling
+        each eager piece that holds such a call at the shapes of its capture (identical layers
+        share one compile). Piecewise calls are unchanged. Needs compiler="inductor" or
+        `full_graph_compile=True`. See `cgcompile.passes.small_query`.""")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        expect(len(self.split_ops) > 0, "capturable_split_ops", "at least one split op the full graph may capture",
-               self.split_ops, 'write FullGraphOptions(split_ops=("attention",)), or full_graph=None for no full graphs',
+        expect(len(self.capturable_split_ops) > 0, "capturable_split_ops",
+               "at least one split op the full graph may capture", self.capturable_split_ops,
+               'write FullGraphOptions(capturable_split_ops=("attention",)), or full_graph=None for no full graphs',
                ConfigError)
 
     @functools.cached_property
     def capturable_ops(self) -> CapturableOps:
-        return CapturableOps(frozenset(_capturable("capturable_split_ops", op) for op in self.split_ops))
+        return CapturableOps(frozenset(_capturable("capturable_split_ops", op) for op in self.capturable_split_ops))
 
 
 def automatic_full_graph(compiler: str) -> FullGraphOptions:
@@ -451,7 +473,7 @@ def automatic_full_graph(compiler: str) -> FullGraphOptions:
     captured only on the second consecutive call of a size with the same key
     (`cgcompile.full_graph`); a model whose cache length changes every step never
     captures one and runs piecewise, as without it."""
-    return FullGraphOptions(split_ops=("attention",), small_query_attention=compiler == "inductor")
+    return FullGraphOptions(capturable_split_ops=("attention",), small_query_attention=compiler == "inductor")
 
 
 @_group
@@ -466,7 +488,8 @@ class Debug(_Group):
     check_addresses: bool = option(False, _bool, doc="""
         On every replay, check that inputs captured by address still live there, and raise naming
         the piece and input if not. Without it, a call whose parameters moved runs without graphs
-        and graphs are captured again once the new addresses settle (`cgcompile.weights`).""")
+        and graphs are captured again once the new addresses settle (`cgcompile.weights`). Needs CUDA
+        graphs (refused with cudagraphs=False).""")
 
 
 @_group
@@ -475,10 +498,20 @@ class Manager(_Group):
 
     use_breakable: bool = option(False, _bool, doc="""
         The manager's default path: breakable CUDA graphs instead of compiled pieces; the
-        CGCOMPILE_USE_BREAKABLE environment variable (0 or 1) overrides it.""")
+        CGCOMPILE_USE_BREAKABLE environment variable (0 or 1) overrides it. Only a `GraphManager`
+        reads it: a `Backend` and torch.compile's options, which always run compiled pieces,
+        refuse True.""")
 
 
 # -- Config ------------------------------------------------------------------------------
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<its defaults>"
+
+
+_UNSET = _Unset()
 
 
 def _part(cls: type, optional: bool = False) -> Any:
@@ -489,6 +522,17 @@ def _part(cls: type, optional: bool = False) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"group": cls})
 
 
+def _init_signature(parts: dict[str, dataclasses.Field]) -> inspect.Signature:
+    """Config.__init__'s signature: each group's fields by their (flat) names with their
+    defaults, then the groups themselves."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    flat = [inspect.Parameter(f.name, keyword, default=f.default)
+            for part in parts.values() for f in dataclasses.fields(part.metadata["group"])]
+    groups = [inspect.Parameter(name, keyword, default=AUTO if part.metadata.get("optional") else _UNSET)
+              for name, part in parts.items()]
+    return inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *flat, *groups])
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class Config:
     """How cgcompile splits, compiles and captures a model: one frozen record per concern.
@@ -497,18 +541,22 @@ class Config:
     `Config(capture_sizes=(1, 2, 4, 8), compiler="eager")`; or by group:
     `Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)))`, where a group may also be a dict of
     its fields. Flat names given beside their group are applied on top of it, so
-    `dataclasses.replace(config, compiler="eager")` works. Every flat name reads back as an
-    attribute: `config.capture_sizes`.
+    `dataclasses.replace(config, compiler="eager")` works. Each flat name is an alias of the
+    group field of the same name, for writing a Config only (here and in torch.compile's
+    options dict): read it through its group, `config.sizes.capture_sizes` (a flat read raises
+    AttributeError saying so).
 
     The full-graph options exist only inside `full_graph`. Its default, "auto", gives every
     graph that runs with CUDA graphs a full graph with attention captured and decode attention
     lowered (`full_graph_for`); graphs without CUDA graphs (CPU) stay piecewise, and
     `full_graph=None` (or flat `capturable_split_ops=()`) keeps every graph piecewise. Written
-    out: `Config(full_graph=FullGraphOptions(compile=True))`, or flat,
+    out: `Config(full_graph=FullGraphOptions(full_graph_compile=True))`, or flat,
     `Config(capturable_split_ops=("attention",), full_graph_compile=True)`; flat full-graph
     names replace the automatic default. A full-graph option without `capturable_split_ops` is
-    refused: there would be no full graph to apply it to. Unknown names, wrong types and
-    values that cannot work together raise ConfigError when the Config is built.
+    refused: there would be no full graph to apply it to. So is any option that would be
+    ignored: `capture_input_dim` without `capture_input`, the capture options with
+    `cudagraphs=False`, and `use_breakable=True` anywhere but a `GraphManager`. Unknown names,
+    wrong types and values that cannot work together raise ConfigError when the Config is built.
     """
 
     split: Split = _part(Split)
@@ -528,21 +576,27 @@ class Config:
             object.__setattr__(self, part.name, _build_part(part, kwargs.get(part.name, _UNSET), flat))
         _check_across_parts(self)
 
+    # what help(Config) and editors show: every flat name and every group, by keyword
+    __init__.__signature__ = _init_signature(dict(
+        split=split, sizes=sizes, compile=compile, graphs=graphs, rewrites=rewrites, full_graph=full_graph,
+        debug=debug, manager=manager))
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for names Config lacks. A flat name is for writing a Config; say where
+        # its value is read instead of a bare AttributeError.
+        if name not in FLAT_NAMES:
+            raise AttributeError(f"'Config' object has no attribute {name!r}")
+        part, field = FLAT_NAMES[name]
+        where = (f"config.full_graph_for(cudagraphs=True).{field} (full_graph is 'auto', None or a FullGraphOptions)"
+                 if part == "full_graph" else f"config.{part}.{field}")
+        raise AttributeError(expected(f"config.{name}", "a read through its group", "the flat name",
+                                      f"read {where}; flat names are for Config(...) and torch.compile options",
+                                      raw=True))
+
     @functools.cached_property
     def split_ops(self) -> SplitOps:
+        """Where graphs split: the default split ops plus `split.splitting_ops`."""
         return SplitOps(frozenset(normalize_op(_held_op(op)) for op in self.split.splitting_ops))
-
-    @property
-    def capturable_ops(self) -> CapturableOps:
-        """The split ops a full graph may capture, as flat reads see them (`flat_full_graph`)."""
-        full = self.flat_full_graph()
-        return full.capturable_ops if full else CapturableOps(frozenset())
-
-    def flat_full_graph(self) -> FullGraphOptions | None:
-        """The full-graph options flat reads report: where `full_graph` is "auto", those of a
-        graph with CUDA graphs, unless `cudagraphs=False` turns them off for every graph. The
-        engine never reads these: it asks `full_graph_for` with each graph's own cudagraphs."""
-        return self.full_graph_for(cudagraphs=self.graphs.cudagraphs is not False)
 
     def full_graph_for(self, cudagraphs: bool) -> FullGraphOptions | None:
         """The full-graph options of a graph that runs with CUDA graphs on or off: `full_graph`
@@ -591,12 +645,17 @@ class Config:
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "Config":
         """Build from `torch.compile(..., options={...})`: the keys are Config's flat names or
-        groups, checked exactly as `Config(**options)` checks them (lists accepted for tuples)."""
+        groups, checked exactly as `Config(**options)` checks them (lists accepted for tuples).
+        `use_breakable=True` is refused: torch.compile runs compiled pieces, never the
+        breakable path a GraphManager chooses with it."""
         expect(options is None or isinstance(options, Mapping), "options", "a dict of Config fields", options,
                "write options={'compiler': 'eager'}", ConfigError)
         options = dict(options or {})
         _check_names("options", (), options, _NAMES)
-        return cls(**options)
+        config = cls(**options)
+        _refuse_use_breakable(config, "options", "torch.compile runs compiled pieces",
+                              "remove it from options")
+        return config
 
 
 def _build_part(part: dataclasses.Field, given: Any, flat: dict[str, Any]) -> Any:
@@ -632,11 +691,12 @@ def _full_graph(given: FullGraphOptions | str | None, flat: dict[str, Any]) -> F
     fields = {f.name: f for f in dataclasses.fields(FullGraphOptions)}
     explicit = isinstance(given, FullGraphOptions)
     values = {**({n: getattr(given, n) for n in fields} if explicit else _FULL_GRAPH_OFF), **flat}
-    if not (isinstance(values["split_ops"], (tuple, list)) and len(values["split_ops"]) == 0):
+    ops = values["capturable_split_ops"]
+    if not (isinstance(ops, (tuple, list)) and len(ops) == 0):
         return FullGraphOptions(**values)
-    ignored = {flat_name(fields[n]): v for n, v in values.items() if n != "split_ops" and v != _FULL_GRAPH_OFF[n]}
+    ignored = {n: v for n, v in values.items() if n != "capturable_split_ops" and v != _FULL_GRAPH_OFF[n]}
     for name, value in ignored.items():  # a wrong type is named as such first
-        _check_value(fields[FLAT_NAMES[name][1]], name, value)
+        _check_value(fields[name], name, value)
     given_text = ", ".join(f"{n}={v!r}" for n, v in ignored.items())
     expect(not ignored, ", ".join(ignored), "capturable_split_ops beside it (the split ops a full graph may "
            "capture; without them there is no full graph to apply it to)",
@@ -653,7 +713,8 @@ def _check_across_parts(config: Config) -> None:
     """The checks that read two groups: each group has checked its own fields."""
     _check_compile_sizes(config.compile.compile_sizes, config.sizes.capture_sizes)
     full = config.full_graph_for(cudagraphs=True)  # the automatic options are chosen to pass these
-    expect(full is None or not full.small_query_attention or full.compile or config.compile.compiler == "inductor",
+    expect(full is None or not full.small_query_attention or full.full_graph_compile
+           or config.compile.compiler == "inductor",
            "small_query_attention", 'compiler="inductor" or full_graph_compile=True beside it (the lowered '
            'attention is compiled)', f"compiler={config.compile.compiler!r}",
            'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
@@ -665,11 +726,29 @@ def _check_across_parts(config: Config) -> None:
            "add compile_sizes=(...) from capture_sizes, or move the options to inductor_options",
            ConfigError, raw=True)
     inductor = config.compile.compiler == "inductor" or (
-        full is not None and (full.compile or full.small_query_attention))
+        full is not None and (full.full_graph_compile or full.small_query_attention))
     expect(inductor or not config.compile.inductor_options, "inductor_options",
            'an Inductor compile to patch (compiler="inductor", or a full graph with full_graph_compile or '
            "small_query_attention)", f"compiler={config.compile.compiler!r} and no full-graph compile",
            'set compiler="inductor", or leave inductor_options out', ConfigError, raw=True)
+    _check_capture_options(config)
+
+
+# Options that act on captured CUDA graphs only: (group, field).
+_CAPTURE_OPTIONS = (("graphs", "reuse_output_buffers"), ("graphs", "capture_error_mode"), ("debug", "check_addresses"))
+_DEFAULTS = {f.name: f.default for group in (Graphs, Debug) for f in dataclasses.fields(group)}
+
+
+def _check_capture_options(config: Config) -> None:
+    """With cudagraphs=False nothing is captured: a capture option set beside it would be ignored."""
+    if config.graphs.cudagraphs is not False:
+        return
+    written = {name: getattr(getattr(config, part), name) for part, name in _CAPTURE_OPTIONS}
+    given = {name: value for name, value in written.items() if value != _DEFAULTS[name]}
+    given_text = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    expect(not given, ", ".join(given), "cudagraphs=None or True beside it (it acts on captured CUDA graphs: "
+           "their static outputs, their capture, their input addresses)", f"{given_text} with cudagraphs=False",
+           f"leave {' and '.join(given)} out, or drop cudagraphs=False", ConfigError, raw=True)
 
 
 def _check_names(culprit: str, args: tuple, kwargs: Mapping, names: list[str]) -> None:
@@ -685,43 +764,15 @@ def _check_names(culprit: str, args: tuple, kwargs: Mapping, names: list[str]) -
             raise ConfigError(expected(culprit, what, f"unknown {name!r}", fix, raw=True))
 
 
-# Every flat name, mapped to (the Config field of its group, its name in the group).
+# Every flat name (the keywords of Config(...) and the options dict), mapped to (the Config
+# field of its group, its name in the group): the same name, one group each.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
-    flat_name(field): (part.name, field.name)
+    field.name: (part.name, field.name)
     for part in dataclasses.fields(Config) for field in dataclasses.fields(part.metadata["group"])
 }
 _NAMES = [*FLAT_NAMES, *(part.name for part in dataclasses.fields(Config))]
-# What flat reads see where `full_graph` is None: no capturable ops, every other option at its default.
-_FULL_GRAPH_OFF = {**{f.name: f.default for f in dataclasses.fields(FullGraphOptions)}, "split_ops": ()}
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<its defaults>"
-
-
-_UNSET = _Unset()
-
-
-def _flat_reader(part: str, name: str) -> property:
-    def read(self: Config) -> Any:
-        group = getattr(self, part)
-        if isinstance(group, str):  # AUTO
-            group = self.flat_full_graph()
-        return _FULL_GRAPH_OFF[name] if group is None else getattr(group, name)
-
-    return property(read, doc=f"`Config.{part}.{name}`, read flat.")
-
-
-for _flat, (_part_name, _name) in FLAT_NAMES.items():
-    assert not hasattr(Config, _flat), f"the flat name {_flat} hides a Config attribute"
-    setattr(Config, _flat, _flat_reader(_part_name, _name))
-Config.__init__.__signature__ = inspect.Signature(  # what help(Config) and editors show
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)]
-    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(Config(), name)) for name in FLAT_NAMES]
-    + [inspect.Parameter(part.name, inspect.Parameter.KEYWORD_ONLY,
-                         default=AUTO if part.metadata.get("optional") else _UNSET)
-       for part in dataclasses.fields(Config)])
+# Flat full-graph names are applied on top of these: no capturable ops, every other option at its default.
+_FULL_GRAPH_OFF = {**{f.name: f.default for f in dataclasses.fields(FullGraphOptions)}, "capturable_split_ops": ()}
 
 
 def as_config(config: Any, culprit: str) -> Config:
@@ -731,9 +782,19 @@ def as_config(config: Any, culprit: str) -> Config:
     expect(config is None or isinstance(config, Config), f"{culprit}: config", "a cgcompile.Config or None",
            config, fix, ConfigError)
     config = config or Config()
+    if culprit != "GraphManager":  # the manager hands its Backend a Config without it
+        _refuse_use_breakable(config, culprit, f"a {culprit} runs compiled pieces", "leave it out of this Config")
     config.resolved_use_breakable()
     config.resolved_dump_dir()
     return config
+
+
+def _refuse_use_breakable(config: Config, culprit: str, why: str, fix: str) -> None:
+    """`use_breakable=True` reaches only a GraphManager: anywhere else it would be ignored."""
+    expect(not config.manager.use_breakable, f"{culprit}: use_breakable", f"False ({why}; use_breakable "
+           "chooses a GraphManager's path)", True,
+           f"{fix}, and for breakable CUDA graphs write cgcompile.GraphManager(model, "
+           "cgcompile.Config(use_breakable=True))", ConfigError)
 
 
 def check_dump_dir(culprit: str, path: Any) -> str:

@@ -15,6 +15,7 @@ per decoder layer, with the cache update and attention as eager steps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from typing import Any
@@ -87,7 +88,7 @@ class GraphManager:
         nothing (no CUDA graphs there), which a newcomer trying the quick start on a CPU
         would otherwise only see as `describe()` saying 0 graphs: that case is a warning."""
         name = type(self.model).__name__
-        if self.use_breakable and not self.graphs_enabled and self.config.cudagraphs is None:
+        if self.use_breakable and not self.graphs_enabled and self.config.graphs.cudagraphs is None:
             log.warning("cgcompile: %s runs eagerly: %s, so there are no CUDA graphs and the breakable path "
                         "records nothing (describe() shows 0 graphs); pass GraphManager(..., "
                         "segments=\"op_replay\") to record the breakable path on this device for inspection "
@@ -98,12 +99,12 @@ class GraphManager:
                  else "breakable CUDA graphs" if self.use_breakable else "compiled pieces with CUDA graphs")
 
     def _graphs_enabled(self) -> bool:
-        if self.config.cudagraphs is not None:
-            return self.config.cudagraphs
+        if self.config.graphs.cudagraphs is not None:
+            return self.config.graphs.cudagraphs
         return any(p.is_cuda for p in self.model.parameters())
 
     def _graphs_off_because(self) -> str:
-        if self.config.cudagraphs is False:
+        if self.config.graphs.cudagraphs is False:
             return "Config.cudagraphs=False"
         return f"a {type(self.model).__name__} with no parameter on CUDA (graphs follow the model's device)"
 
@@ -112,7 +113,8 @@ class GraphManager:
     @property
     def backend(self) -> Backend:
         if self._backend is None:
-            self._backend = Backend(self.config, session=self.session)
+            # the compiled path, however use_breakable is set (a Backend refuses use_breakable=True)
+            self._backend = Backend(dataclasses.replace(self.config, use_breakable=False), session=self.session)
         return self._backend
 
     @property
@@ -208,7 +210,7 @@ class GraphManager:
         `Backend.capture` does.
         """
         check_capture_call("GraphManager.capture", self.model, make_inputs, progress)
-        sizes = requested_sizes("GraphManager.capture", sizes, self.config.capture_sizes, bounded=True)
+        sizes = requested_sizes("GraphManager.capture", sizes, self.config.sizes.capture_sizes, bounded=True)
         require_cuda_graphs("GraphManager.capture", self.graphs_enabled, self._graphs_off_because())
         captured = capture_all(self.session, self._path(), make_inputs, sizes, progress)
         require_captured("GraphManager.capture", self.session)

@@ -195,10 +195,10 @@ def count_graphs(backend, sizes=None, name: str = "model") -> MemoryPlan:
     expect(bool(backend.runtimes), "count_graphs", "a model compiled with this backend and called once",
            "no Dynamo graph yet", "call the compiled model once per kind of call (e.g. prefill and decode) first",
            raw=True)
-    sizes = sorted(requested_sizes("count_graphs", sizes, backend.config.capture_sizes, bounded=True), reverse=True)
+    sizes = sorted(requested_sizes("count_graphs", sizes, backend.config.sizes.capture_sizes, bounded=True), reverse=True)
     per_size, once = _graphs_per_call(backend)
     rows = tuple(SizePlan(s, per_size + (once if i == 0 else 0), None) for i, s in enumerate(sizes))
-    return MemoryPlan(name, rows, tuple(sizes), capture_sizes=tuple(backend.config.capture_sizes))
+    return MemoryPlan(name, rows, tuple(sizes), capture_sizes=tuple(backend.config.sizes.capture_sizes))
 
 
 def _graphs_per_call(backend) -> tuple[int, int]:
@@ -234,11 +234,11 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
     Raises CaptureError before running anything without CUDA, or when graphs are captured.
     """
     check_capture_call(culprit, model, make_inputs, False)
-    sizes = requested_sizes(culprit, sizes, backend.config.capture_sizes, bounded=True)
+    sizes = requested_sizes(culprit, sizes, backend.config.sizes.capture_sizes, bounded=True)
     if memory_budget is not None:
         check_budget(culprit, memory_budget)
     _check_name(culprit, name)
-    require_cuda_graphs(culprit, backend.config.cudagraphs is not False, "Config.cudagraphs=False")
+    require_cuda_graphs(culprit, backend.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
     _require_no_graphs(culprit, backend)
     remaining = sorted(set(sizes), reverse=True)
     while True:
@@ -252,7 +252,7 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
     profiled = {row.size for row in rows}
     unmeasured = {s: SizePlan(s, None, None) for s in sizes if s not in profiled}
     ordered = sorted([*rows, *unmeasured.values()], key=lambda row: -row.size)
-    return MemoryPlan(name, tuple(ordered), kept, memory_budget, capture_sizes=tuple(backend.config.capture_sizes))
+    return MemoryPlan(name, tuple(ordered), kept, memory_budget, capture_sizes=tuple(backend.config.sizes.capture_sizes))
 
 
 def fitting_sizes(rows: tuple[SizePlan, ...], budget: int | None) -> tuple[int, ...]:
@@ -296,7 +296,7 @@ def capture_within_budget(backend, model, make_inputs: MakeInputs, memory_budget
     Graphs captured before (lazily, by earlier calls) are dropped first: the budget
     covers every graph in the pool."""
     check_budget("Backend.capture", memory_budget)
-    require_cuda_graphs("Backend.capture", backend.config.cudagraphs is not False, "Config.cudagraphs=False")
+    require_cuda_graphs("Backend.capture", backend.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
     if backend.graphs_held():
         log.info("cgcompile: %s: dropping %d graphs captured before, so the budget covers the whole pool",
                  name, backend.graphs_held())

@@ -132,7 +132,7 @@ def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, con
                  copies: FusedCopies) -> Fusion:
     """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
     weights become new graph inputs, appended to every call's (see `weights.FusedWeights`)."""
-    if not config.fuse_sibling_linears:
+    if not config.rewrites.fuse_sibling_linears:
         return Fusion(gm, example_inputs)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     # Left out: inference tensors, which have no version counter (a later update could
@@ -157,17 +157,17 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> G
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     static = frozenset(n.name for n, x in zip(placeholders, example_inputs) if is_static_address(x))
     try:
-        capture_dim = find_capture_dim(gm, static, config.capture_input, config.capture_input_dim)
+        capture_dim = find_capture_dim(gm, static, config.sizes.capture_input, config.sizes.capture_input_dim)
     except LookupError as e:
         raise ConfigError(f"capture_input: {e}") from e
     device = _graph_device(gm)
-    cudagraphs = device.type == "cuda" if config.cudagraphs is None else config.cudagraphs
+    cudagraphs = device.type == "cuda" if config.graphs.cudagraphs is None else config.graphs.cudagraphs
     if cudagraphs and device.type != "cuda":
         raise ConfigError(
             f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
             f"move the model and inputs to CUDA or leave cudagraphs=None"
         )
-    if device.type == "cpu" and config.compiler == "inductor":
+    if device.type == "cpu" and config.compile.compiler == "inductor":
         _hint_eager_on_cpu()
     index = None
     if capture_dim is not None:
@@ -219,8 +219,8 @@ def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Conf
     # Rewrites before classifying: their new nodes are classified like any other.
     hoist_mask_conversion(gm)
     if analysis.device.type == "cuda":  # each all-reduce gets its group's path (docs/parallel.md)
-        route_graph_all_reduces(gm, analysis.device, configured=config.all_reduce)
-    if config.fold_grouped_query:
+        route_graph_all_reduces(gm, analysis.device, configured=config.rewrites.all_reduce)
+    if config.rewrites.fold_grouped_query:
         fold_grouped_query_attention(gm)
     mutable = frozenset(
         n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in analysis.static_inputs
@@ -283,7 +283,7 @@ def _make_runner(build: GraphBuild, piece: Piece, spec, fn, session: CaptureSess
     symbol, sizing = build.analysis.symbol, build.sizing
     # Inputs made by other pieces: an eager op's kernel, and Inductor too (a cat with
     # an empty operand keeps the other's layout), may return another layout than traced.
-    checked = from_pieces if build.config.compiler == "inductor" else ()
+    checked = from_pieces if build.config.compile.compiler == "inductor" else ()
     traced = TracedLayout([example_value(n) for n in spec.inputs], symbol, checked)
     graphs = build.analysis.cudagraphs
     if not (graphs or sizing.padded):
@@ -344,7 +344,7 @@ def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, r
 
 def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
     checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
-    runs = "the whole graph compiled as one per size" if options.compile else "the pieces' code in order"
+    runs = "the whole graph compiled as one per size" if options.full_graph_compile else "the pieces' code in order"
     if options.small_query_attention:
         runs += ", attention of few query rows compiled as batched matmuls"
     return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
@@ -359,17 +359,17 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
                      options: FullGraphOptions, plan: FullGraphPlan) -> FullGraph:
     config = build.config
     values = _output_values(gm)
-    copies = () if config.reuse_output_buffers else tuple(
+    copies = () if config.graphs.reuse_output_buffers else tuple(
         OutputCopy(i, _statically_contiguous(example_value(v)))
         for i, v in enumerate(values) if isinstance(example_value(v), torch.Tensor)
     )
     name = f"graph{build.index}"
-    whole = options.compile  # Inductor, whatever compiles the pieces
+    whole = options.full_graph_compile  # Inductor, whatever compiles the pieces
     # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
     eager = eager_compiles if options.small_query_attention else None
-    pieces = plain_function(split.stitch, runners.runners, build.step, config.cudnn_attention, eager)
-    code = FullGraphCode(name, pieces, gm if whole else None, dict(config.inductor_options),
-                         config.cudnn_attention, options.small_query_attention)
+    pieces = plain_function(split.stitch, runners.runners, build.step, config.split.cudnn_attention, eager)
+    code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
+                         config.split.cudnn_attention, options.small_query_attention)
     return FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
 
 
@@ -383,7 +383,7 @@ def outputs_to_clone(gm: torch.fx.GraphModule, split: SplitGraph, runners: Runne
     runners hold only non-owning aliases of their outputs, and graphs of other sizes or
     other Dynamo graphs, captured into the memory the pool thinks free, write over it.
     """
-    if config.reuse_output_buffers:
+    if config.graphs.reuse_output_buffers:
         return ()
     from_graphs = [
         out for spec, runner in zip(split.pieces, runners.runners) if isinstance(runner, CudaGraphPiece)
@@ -403,7 +403,7 @@ def call_sizing(build: GraphBuild, session: CaptureSession) -> CallSizing | None
     if analysis.capture_dim is None:
         return None
     policy = SizePolicy(
-        session.padding, exact=not build.sizing.padded, limit=build.config.exact_size_limit,
+        session.padding, exact=not build.sizing.padded, limit=build.config.sizes.exact_size_limit,
         name=f"graph{build.index}",
     )
     return CallSizing(analysis.capture_index, analysis.capture_dim.dim, policy)
@@ -418,7 +418,7 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
     itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused weights
     (they keep their addresses, see `weights.FusedWeights`) and tensors without storage
     of their own (wrapper subclasses), which have no address to check."""
-    if not build.analysis.cudagraphs or build.config.check_addresses:
+    if not build.analysis.cudagraphs or build.config.debug.check_addresses:
         return None
     read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
     owned = {id(t) for t in fusion.weights.tensors} if fusion.weights is not None else set()  # never move
@@ -439,7 +439,7 @@ def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,
     if not build.analysis.cudagraphs:
         return None
     rebuild: Callable = functools.partial(build_runners, build, resplit=True)
-    return PieceRecovery(split, rebuild, records, uncapturable, build.config.cudnn_attention)
+    return PieceRecovery(split, rebuild, records, uncapturable, build.config.split.cudnn_attention)
 
 
 # -- helpers ---------------------------------------------------------------------------

@@ -85,9 +85,9 @@ def test_inductor_options_reach_every_compile(monkeypatch):
 
 def test_options_are_stored_as_sorted_pairs():
     config = cgcompile.Config(inductor_options={"max_autotune_gemm": True, "coordinate_descent_tuning": True})
-    assert config.inductor_options == (("coordinate_descent_tuning", True), ("max_autotune_gemm", True))
+    assert config.compile.inductor_options == (("coordinate_descent_tuning", True), ("max_autotune_gemm", True))
     hash(config)
-    assert cgcompile.Config.from_options({"compile_sizes": [1, 8]}).compile_sizes == (1, 8)
+    assert cgcompile.Config.from_options({"compile_sizes": [1, 8]}).compile.compile_sizes == (1, 8)
 
 
 @pytest.mark.parametrize("fields, message", [

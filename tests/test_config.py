@@ -16,17 +16,17 @@ from cgcompile.testing.models import SILLY_OP
 
 def test_defaults():
     config = Config()
-    assert config.capture_sizes == (1, 2, 4) + tuple(range(8, 257, 8))
+    assert config.sizes.capture_sizes == (1, 2, 4) + tuple(range(8, 257, 8))
     assert config.max_capture_size == 256
-    assert config.compiler == "inductor"
-    assert config.cudagraphs is None
-    assert config.dump_dir is None
-    assert config.splitting_ops == ()
+    assert config.compile.compiler == "inductor"
+    assert config.graphs.cudagraphs is None
+    assert config.debug.dump_dir is None
+    assert config.split.splitting_ops == ()
 
 
 def test_frozen_and_keyword_only():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        Config().compiler = "eager"
+        Config().compile = Compile(compiler="eager")
     with pytest.raises(ConfigError, match=r"Config: expected keyword arguments only, got 2 positional"):
         Config((), (1, 2))
 
@@ -153,33 +153,37 @@ FULL = ("attention",)
 def test_flat_names_and_groups_build_the_same_config():
     flat = Config(capture_sizes=(1, 2), compiler="eager", capturable_split_ops=FULL, full_graph_compile=True)
     grouped = Config(sizes=Sizes(capture_sizes=(1, 2)), compile=Compile(compiler="eager"),
-                     full_graph=FullGraphOptions(split_ops=FULL, compile=True))
+                     full_graph=FullGraphOptions(capturable_split_ops=FULL, full_graph_compile=True))
     as_dicts = Config.from_options({"sizes": {"capture_sizes": [1, 2]}, "compile": {"compiler": "eager"},
-                                    "full_graph": {"compile": True}})
+                                    "full_graph": {"full_graph_compile": True}})
     assert flat == grouped == as_dicts and hash(flat) == hash(grouped)
-    assert flat.full_graph == FullGraphOptions(split_ops=FULL, compile=True, small_query_attention=False)
+    assert flat.full_graph == FullGraphOptions(capturable_split_ops=FULL, full_graph_compile=True,
+                                               small_query_attention=False)
 
 
-def test_every_flat_name_reads_its_group_field():
-    config = Config(full_graph=FullGraphOptions(compile=True))
-    for name, (part, field) in FLAT_NAMES.items():
-        assert getattr(config, name) == getattr(getattr(config, part), field), name
-    assert (config.capturable_split_ops, config.full_graph_compile) == (FULL, True)
-    # no full graph: the flat reads see no capturable ops and the other options off
-    off = Config(full_graph=None)
-    assert (off.capturable_split_ops, off.full_graph_compile, off.small_query_attention) == ((), False, False)
-    # the automatic default: the options a graph with CUDA graphs gets, none where cudagraphs=False
-    assert (Config().capturable_split_ops, Config().full_graph_compile, Config().small_query_attention) == \
-        (FULL, False, True)
-    assert Config(compiler="eager").small_query_attention is False
-    assert Config(cudagraphs=False).capturable_split_ops == () and not Config(cudagraphs=False).capturable_ops
+def test_a_flat_read_names_the_group_read():
+    config = Config(capture_sizes=(1, 2), full_graph=FullGraphOptions(full_graph_compile=True))
+    for name in FLAT_NAMES:
+        assert not hasattr(config, name), name  # flat names are for writing a Config only
+    with pytest.raises(AttributeError, match=r"^config.capture_sizes: expected a read through its group, got the "
+                                             r"flat name; read config.sizes.capture_sizes;"):
+        config.capture_sizes
+    with pytest.raises(AttributeError, match=r"read config.full_graph_for\(cudagraphs=True\).full_graph_compile"):
+        config.full_graph_compile
+    with pytest.raises(AttributeError, match=r"^'Config' object has no attribute 'bogus'$"):
+        config.bogus
+    assert (config.sizes.capture_sizes, config.full_graph.full_graph_compile) == ((1, 2), True)
 
 
-def test_the_flat_names_come_from_the_group_declarations():
+def test_the_flat_names_are_the_group_field_names():
     declared = [(part.name, f.name) for part in dataclasses.fields(Config)
                 for f in dataclasses.fields(part.metadata["group"])]
     assert sorted(FLAT_NAMES.values()) == sorted(declared)  # each group field has one flat name, none twice
-    assert FLAT_NAMES["capturable_split_ops"] == ("full_graph", "split_ops")
+    assert all(name == field for name, (_, field) in FLAT_NAMES.items())  # one name per field
+    assert len(FLAT_NAMES) == len(declared)
+    assert not set(FLAT_NAMES) & {part.name for part in dataclasses.fields(Config)}  # no name is group and field
+    assert FLAT_NAMES["capturable_split_ops"] == ("full_graph", "capturable_split_ops")
+    assert FLAT_NAMES["full_graph_compile"] == ("full_graph", "full_graph_compile")
     assert FLAT_NAMES["capture_sizes"] == ("sizes", "capture_sizes")
     assert set(inspect.signature(Config).parameters) == set(FLAT_NAMES) | {p.name for p in dataclasses.fields(Config)}
 
@@ -187,8 +191,8 @@ def test_the_flat_names_come_from_the_group_declarations():
 def test_flat_names_beside_their_group_are_applied_on_top():
     config = Config(sizes=Sizes(capture_sizes=(4,), padding=True), capture_sizes=(1, 2))
     assert config.sizes == Sizes(capture_sizes=(1, 2), padding=True)
-    assert dataclasses.replace(config, compiler="eager").compiler == "eager"
-    whole = Config(full_graph=FullGraphOptions(compile=True))
+    assert dataclasses.replace(config, compiler="eager").compile.compiler == "eager"
+    whole = Config(full_graph=FullGraphOptions(full_graph_compile=True))
     assert dataclasses.replace(whole, full_graph_compile=False).full_graph == FullGraphOptions()
     assert dataclasses.replace(whole, full_graph=None).full_graph is None
     with pytest.raises(ConfigError, match=r"^full_graph_compile: expected capturable_split_ops beside it"):
@@ -237,8 +241,8 @@ def test_compile_options_with_no_compile_to_patch_are_refused(fields, message):
 ])
 def test_compile_options_beside_a_compile_they_patch_are_kept(fields):
     config = Config(**fields)
-    assert dict(config.inductor_options) == fields.get("inductor_options", {})
-    assert dict(config.size_inductor_options) == fields.get("size_inductor_options", {})
+    assert dict(config.compile.inductor_options) == fields.get("inductor_options", {})
+    assert dict(config.compile.size_inductor_options) == fields.get("size_inductor_options", {})
 
 
 def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
@@ -248,7 +252,7 @@ def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
 
 # -- the automatic full graph: resolved per graph, from its cudagraphs and the compiler -------
 
-AUTOMATIC = FullGraphOptions(split_ops=FULL, small_query_attention=True)
+AUTOMATIC = FullGraphOptions(capturable_split_ops=FULL, small_query_attention=True)
 
 
 def test_the_default_full_graph_is_automatic():
@@ -265,7 +269,7 @@ def test_the_automatic_full_graph_captures_attention_with_cuda_graphs_only():
 
 def test_the_automatic_full_graph_lowers_attention_only_where_inductor_compiles():
     eager = Config(compiler="eager").full_graph_for(cudagraphs=True)
-    assert eager == FullGraphOptions(split_ops=FULL, small_query_attention=False)
+    assert eager == FullGraphOptions(capturable_split_ops=FULL, small_query_attention=False)
     assert automatic_full_graph("inductor") == AUTOMATIC
 
 
@@ -280,7 +284,7 @@ def test_full_graph_none_turns_the_automatic_full_graph_off(off):
 def test_a_written_full_graph_is_used_as_written_with_or_without_cuda_graphs():
     written = Config(capturable_split_ops=FULL)
     assert written.full_graph_for(cudagraphs=True) == written.full_graph_for(cudagraphs=False) == FullGraphOptions()
-    whole = FullGraphOptions(compile=True)
+    whole = FullGraphOptions(full_graph_compile=True)
     assert Config(full_graph=whole).full_graph_for(cudagraphs=False) == whole
 
 
@@ -296,9 +300,11 @@ def test_the_automatic_default_keeps_the_checks_of_options_written_alone():
 
 def test_a_full_graph_needs_a_split_op_to_capture():
     with pytest.raises(ConfigError, match=r'^capturable_split_ops: expected at least one split op .*got \(\) \(tuple\); '
-                                          r'write FullGraphOptions\(split_ops=\("attention",\)\), or full_graph=None'):
-        FullGraphOptions(split_ops=())
-    assert FullGraphOptions().split_ops == FULL and FullGraphOptions(split_ops=["attention"]).split_ops == FULL
+                                          r'write FullGraphOptions\(capturable_split_ops=\("attention",\)\), or '
+                                          r'full_graph=None'):
+        FullGraphOptions(capturable_split_ops=())
+    assert FullGraphOptions().capturable_split_ops == FULL
+    assert FullGraphOptions(capturable_split_ops=["attention"]).capturable_split_ops == FULL
 
 
 @pytest.mark.parametrize("build, message", [
@@ -309,7 +315,7 @@ def test_a_full_graph_needs_a_split_op_to_capture():
     (lambda: Config(full_graph=True),
      r"^full_graph: expected a FullGraphOptions, None, 'auto' or a dict of its fields, got True"),
     (lambda: Config(full_graph="on"), r"^full_graph: expected a FullGraphOptions, None, 'auto' or a dict"),
-    (lambda: FullGraphOptions(compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
+    (lambda: FullGraphOptions(full_graph_compile="yes"), r"^full_graph_compile: expected True or False, got 'yes' \(str\)"),
     (lambda: Config(full_graph_compile="yes"), r"^full_graph_compile: expected True or False, got 'yes'"),
     (lambda: Config(compile={"compiler": "tvm"}), r"^compiler: expected one of \('eager', 'inductor'\)"),
 ])
@@ -322,7 +328,7 @@ def test_small_query_attention_needs_a_compile_in_either_form():
     message = r'^small_query_attention: expected compiler="inductor" or full_graph_compile=True beside it'
     with pytest.raises(ConfigError, match=message):
         Config(compiler="eager", full_graph=FullGraphOptions(small_query_attention=True))
-    Config(compiler="eager", full_graph=FullGraphOptions(small_query_attention=True, compile=True))
+    Config(compiler="eager", full_graph=FullGraphOptions(small_query_attention=True, full_graph_compile=True))
 
 
 def test_docs_config_md_is_generated_from_the_declarations():
@@ -338,4 +344,128 @@ def test_docs_config_md_is_generated_from_the_declarations():
 
 
 def test_capture_sizes_up_to_the_bound_are_accepted():
-    assert Config(capture_sizes=(1, MAX_CAPTURE_SIZE)).capture_sizes == (1, MAX_CAPTURE_SIZE)
+    assert Config(capture_sizes=(1, MAX_CAPTURE_SIZE)).sizes.capture_sizes == (1, MAX_CAPTURE_SIZE)
+
+
+# -- the old names of the full-graph fields: accepted, with a DeprecationWarning ---------------
+
+@pytest.mark.parametrize("old, new", [({"split_ops": ["attention"]}, {"capturable_split_ops": FULL}),
+                                      ({"compile": True}, {"full_graph_compile": True})])
+def test_the_old_full_graph_field_names_still_work_with_a_warning(old, new):
+    with pytest.warns(DeprecationWarning, match=f"FullGraphOptions\\({next(iter(old))}=...\\) is deprecated: write "
+                                                f"FullGraphOptions\\({next(iter(new))}=...\\)"):
+        assert FullGraphOptions(**old) == FullGraphOptions(**new)
+    with pytest.warns(DeprecationWarning):
+        assert Config(full_graph=old) == Config(full_graph=FullGraphOptions(**new))
+
+
+def test_an_old_and_a_new_name_together_are_refused():
+    with pytest.raises(ConfigError, match=r"^FullGraphOptions: expected full_graph_compile once, got both compile and "
+                                          r"full_graph_compile; write only full_graph_compile"):
+        FullGraphOptions(compile=True, full_graph_compile=False)
+
+
+# -- combinations that would be ignored are refused ------------------------------------------
+
+def test_capture_input_dim_needs_capture_input():
+    message = (r"^capture_input_dim: expected capture_input beside it \(the input whose dimension it names\), got "
+               r"capture_input_dim=1 without capture_input; add capture_input=")
+    for build in (lambda: Config(capture_input_dim=1), lambda: Sizes(capture_input_dim=1),
+                  lambda: Config.from_options({"capture_input_dim": 1}),
+                  lambda: dataclasses.replace(Config(capture_input="x", capture_input_dim=1), capture_input=None)):
+        with pytest.raises(ConfigError, match=message):
+            build()
+    assert Config(capture_input="input_ids", capture_input_dim=1).sizes.capture_input_dim == 1
+
+
+@pytest.mark.parametrize("field, value", [("reuse_output_buffers", True), ("check_addresses", True),
+                                          ("capture_error_mode", "thread_local")])
+def test_capture_options_need_cuda_graphs(field, value):
+    message = (f"^{field}: expected cudagraphs=None or True beside it .*, got {field}={value!r} with "
+               f"cudagraphs=False; leave {field} out, or drop cudagraphs=False")
+    with pytest.raises(ConfigError, match=message):
+        Config(cudagraphs=False, **{field: value})
+    with pytest.raises(ConfigError, match=message):
+        Config.from_options({"cudagraphs": False, field: value})
+    group = FLAT_NAMES[field][0]
+    for cudagraphs in (None, True):  # graphs on, or on where the model is on CUDA: kept
+        assert getattr(getattr(Config(cudagraphs=cudagraphs, **{field: value}), group), field) == value
+    default = getattr(getattr(Config(), group), field)
+    Config(cudagraphs=False, **{field: default})  # written at its default: nothing is ignored
+
+
+def test_every_ignored_capture_option_is_named():
+    with pytest.raises(ConfigError, match=r"^reuse_output_buffers, check_addresses: expected cudagraphs=None or True"):
+        Config(cudagraphs=False, reuse_output_buffers=True, check_addresses=True)
+
+
+BREAKABLE_FIX = r"for breakable CUDA graphs write cgcompile.GraphManager\(model, cgcompile.Config\(use_breakable=True\)\)"
+
+
+def test_use_breakable_is_refused_by_a_backend():
+    with pytest.raises(ConfigError, match=r"^Backend: use_breakable: expected False \(a Backend runs compiled pieces; "
+                                          r"use_breakable chooses a GraphManager's path\), got True; leave it out of "
+                                          r"this Config, and " + BREAKABLE_FIX):
+        cgcompile.Backend(Config(use_breakable=True))
+    cgcompile.Backend(Config(use_breakable=False))
+
+
+def test_use_breakable_is_refused_in_torch_compile_options():
+    message = (r"^options: use_breakable: expected False \(torch.compile runs compiled pieces; .*\), got True; "
+               r"remove it from options, and " + BREAKABLE_FIX)
+    with pytest.raises(ConfigError, match=message):
+        Config.from_options({"use_breakable": True})
+    with pytest.raises(ConfigError, match=message):
+        Config.from_options({"manager": {"use_breakable": True}})
+    compiled = torch.compile(torch.sin, backend="cgcompile", options={"compiler": "eager", "use_breakable": True})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+        compiled(torch.ones(3))
+    assert isinstance(info.value.inner_exception, ConfigError)
+    assert "options: use_breakable: expected False" in str(info.value)
+
+
+def test_use_breakable_is_read_by_the_graph_manager(monkeypatch):
+    from cgcompile.testing.models import ToyLlama
+
+    config = Config(use_breakable=True, compiler="eager", splitting_ops=[SILLY_OP])
+    assert cgcompile.GraphManager(ToyLlama(1), config).use_breakable
+    # the environment chose compiled pieces: the manager's Backend gets a Config without the flag
+    monkeypatch.setenv("CGCOMPILE_USE_BREAKABLE", "0")
+    manager = cgcompile.GraphManager(ToyLlama(1), config)
+    assert not manager.use_breakable and manager.config is config
+    assert manager.backend.config == dataclasses.replace(config, use_breakable=False)
+
+
+# -- the engine reads one spelling: the groups -------------------------------------------------
+
+ENGINE = pathlib.Path(cgcompile.__file__).resolve().parent
+
+
+def _flat_reads(source: str) -> list[str]:
+    """`<...>config.<flat name>` and `<...>cfg.<flat name>` reads in `source`: a Config read
+    by an alias instead of its group (`config.sizes.capture_sizes` ends in a group, not in
+    config, and passes)."""
+    import ast
+
+    reads = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in FLAT_NAMES:
+            receiver = node.value
+            name = receiver.attr if isinstance(receiver, ast.Attribute) else getattr(receiver, "id", "")
+            if name.lower().endswith(("config", "cfg")):
+                reads.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return reads
+
+
+def test_the_scan_finds_flat_reads():
+    source = "a = config.capture_sizes\nb = self.config.compiler\nc = build.cfg.padding\nd = config.sizes.capture_sizes\n"
+    assert _flat_reads(source) == ["config.capture_sizes (line 1)", "self.config.compiler (line 2)",
+                                   "build.cfg.padding (line 3)"]
+
+
+def test_the_engine_reads_config_through_its_groups():
+    found = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        if path != ENGINE / "config.py":
+            found.update({f"{path.relative_to(ENGINE)}: {read}": None for read in _flat_reads(path.read_text())})
+    assert not found, f"read these through their group (config.<group>.<field>): {list(found)}"

@@ -311,7 +311,7 @@ def test_lists_are_accepted_for_tuple_fields_both_ways():
     config = Config(capture_sizes=[1, 2, 4], splitting_ops=[SILLY_OP])
     assert config == Config(capture_sizes=(1, 2, 4), splitting_ops=(SILLY_OP,))
     assert config == Config.from_options({"capture_sizes": [1, 2, 4], "splitting_ops": [SILLY_OP]})
-    assert isinstance(config.capture_sizes, tuple) and hash(config) == hash(Config(**dataclasses.asdict(config)))
+    assert isinstance(config.sizes.capture_sizes, tuple) and hash(config) == hash(Config(**dataclasses.asdict(config)))
 
 
 def test_the_largest_capture_size_costs_no_memory():
@@ -335,8 +335,8 @@ def test_what_a_newcomer_writes_is_taken_as_meant():
 
     config = Config(splitting_ops=[op], capturable_split_ops=[op], capture_sizes=(np.int64(8), 4, np.int32(2), 1))
     assert config.split_ops.extra == {"cgcompile_bad_inputs::op.default"}  # the custom_op object the user holds
-    assert config.capturable_ops.names == {"cgcompile_bad_inputs::op.default"}
-    assert config.capture_sizes == (1, 2, 4, 8) and all(type(s) is int for s in config.capture_sizes)
+    assert config.full_graph.capturable_ops.names == {"cgcompile_bad_inputs::op.default"}
+    assert config.sizes.capture_sizes == (1, 2, 4, 8) and all(type(s) is int for s in config.sizes.capture_sizes)
 
 
 def test_backend_of_a_model_whose_forward_was_compiled():

@@ -15,7 +15,7 @@ import inspect
 import pathlib
 import sys
 
-from cgcompile.config import Config, flat_name
+from cgcompile.config import Config
 
 DOC_PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -24,10 +24,12 @@ _EXAMPLE = """\
 import cgcompile
 from cgcompile.config import FullGraphOptions, Sizes
 
-# flat names, as torch.compile(..., options={...}) takes them
+# flat names (aliases of the group fields), as torch.compile(..., options={...}) takes them
 cgcompile.Config(capture_sizes=(1, 2, 4, 8), capturable_split_ops=("attention",), full_graph_compile=True)
 # the same Config, by group
-cgcompile.Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)), full_graph=FullGraphOptions(compile=True))
+config = cgcompile.Config(sizes=Sizes(capture_sizes=(1, 2, 4, 8)), full_graph=FullGraphOptions(full_graph_compile=True))
+# read through the groups only
+config.sizes.capture_sizes
 ```"""
 
 
@@ -49,9 +51,9 @@ def _intro() -> str:
 
 
 def _overview() -> str:
-    rows = ["| group | record | flat names |", "|---|---|---|"]
+    rows = ["| group | record | fields (also flat names of `Config(...)`) |", "|---|---|---|"]
     for part in dataclasses.fields(Config):
-        names = ", ".join(f"`{flat_name(f)}`" for f in dataclasses.fields(part.metadata["group"]))
+        names = ", ".join(f"`{f.name}`" for f in dataclasses.fields(part.metadata["group"]))
         cls = part.metadata["group"].__name__
         rows.append(f"| [`{part.name}`](#{part.name}) | `{cls}` | {names} |")
     return "\n".join(["## Groups", "", *rows])
@@ -69,10 +71,10 @@ def _group(part: dataclasses.Field) -> str:
 
 
 def _field(part: str, field: dataclasses.Field) -> str:
-    flat = flat_name(field)
-    title = f"### `{flat}`" if flat == field.name else f"### `{field.name}` (flat: `{flat}`)"
-    where = f"`Config.{part}.{field.name}`" + ("" if flat == field.name else f", read flat as `config.{flat}`")
-    return f"{title}\n\n{where}; default `{field.default!r}`.\n\n{field.metadata['doc']}"
+    read = (f"`config.full_graph_for(cudagraphs).{field.name}`" if part == "full_graph"
+            else f"`config.{part}.{field.name}`")
+    return (f"### `{field.name}`\n\nWritten `Config({field.name}=...)` or `{part}=...`, read {read}; "
+            f"default `{field.default!r}`.\n\n{field.metadata['doc']}")
 
 
 def _paragraphs(doc: str | None) -> str:

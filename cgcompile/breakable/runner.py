@@ -193,15 +193,15 @@ class BreakableRunner:
         self.group = group if group is not None else BreakableGroup()
         self.live_types = live_types
         self.recording_hooks = recording_hooks if recording_hooks is not None else contextlib.nullcontext()
-        self.clone_outputs = (not config.reuse_output_buffers) if clone_outputs is None else clone_outputs
+        self.clone_outputs = (not config.graphs.reuse_output_buffers) if clone_outputs is None else clone_outputs
         self.name = log_name or type(module).__name__
-        exact = config.padding is not True if exact_sizes is None else exact_sizes
-        self.sizes = SizePolicy(session.padding, exact=exact, limit=config.exact_size_limit, name=self.name)
-        if exact_sizes is None and config.padding is None and ("exact sizes",) not in self.group.logged:
+        exact = config.sizes.padding is not True if exact_sizes is None else exact_sizes
+        self.sizes = SizePolicy(session.padding, exact=exact, limit=config.sizes.exact_size_limit, name=self.name)
+        if exact_sizes is None and config.sizes.padding is None and ("exact sizes",) not in self.group.logged:
             self.group.logged.add(("exact sizes",))
             log.info("cgcompile: %s: breakable graphs run at the exact sizes called (at most %d): with no graph "
                      "to prove that padding rows never reach real rows, they pad only with Config(padding=True), "
-                     "your word that the module's rows never mix", self.name, config.exact_size_limit)
+                     "your word that the module's rows never mix", self.name, config.sizes.exact_size_limit)
         self.rule = SignatureRule(self.name, self.group.logged)
         self._forward = module.forward
         self._warned_for_autograd = False  # the eager-for-autograd warning, once per runner
@@ -235,7 +235,7 @@ class BreakableRunner:
         self.rule.clear()
 
     def __call__(self, *args, **kwargs):
-        if self.config.cudnn_attention:
+        if self.config.split.cudnn_attention:
             return self._call(args, kwargs)
         return call_without_cudnn_attention(self._call, args, kwargs)
 

@@ -2,7 +2,7 @@
 
 Two places, one rewrite (`passes.fast_all_reduce`):
 
-    records = route_graph_all_reduces(gm, device, configured=config.all_reduce)   # Dynamo graph
+    records = route_graph_all_reduces(gm, device, configured=config.rewrites.all_reduce)   # Dynamo graph
     records = route_compiled_all_reduces(gm, GROUPS.choice_of)                    # aten graph
 
 The first runs on each Dynamo graph before it is split (`phases.split_pieces`): the

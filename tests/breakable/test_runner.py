@@ -273,9 +273,9 @@ def test_ahead_of_time_capture_observes_in_warm_up_and_captures_in_the_capture_r
 def test_ahead_of_time_capture_at_exact_sizes_gets_every_capture_size():
     # The default: exact sizes, 35 capture sizes, more than exact_size_limit (32).
     model = ToyLlama(1, hidden=16, vocab=32)
-    manager = manager_for(model, padding=None, capture_sizes=cgcompile.Config().capture_sizes)
-    sizes = sorted(manager.config.capture_sizes, reverse=True)
-    assert len(sizes) > manager.config.exact_size_limit
+    manager = manager_for(model, padding=None, capture_sizes=cgcompile.Config().sizes.capture_sizes)
+    sizes = sorted(manager.config.sizes.capture_sizes, reverse=True)
+    assert len(sizes) > manager.config.sizes.exact_size_limit
     for size in sizes:  # what GraphManager.capture does on a GPU, largest first
         for mode in (Mode.WARMUP, Mode.CAPTURE):
             with manager.session.mode_as(mode):

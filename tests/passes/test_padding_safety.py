@@ -158,7 +158,7 @@ def test_exact_sizes_always_admit_the_capture_sizes():
     # limit, the smallest (decode's) were left without graphs.
     from cgcompile.buffers import PaddingTable, SizePolicy
 
-    sizes = cgcompile.Config().capture_sizes
+    sizes = cgcompile.Config().sizes.capture_sizes
     policy = SizePolicy(PaddingTable(sizes), exact=True, limit=2, name="g")
     assert [policy.size_for(n) for n in sorted(sizes, reverse=True)] == sorted(sizes, reverse=True)
     assert [policy.size_for(n) for n in (3, 5, 6, 3, 1, 300)] == [3, 5, None, 3, 1, None]
