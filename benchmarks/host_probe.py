@@ -134,23 +134,22 @@ def wrap_parts(clock: HostClock, path: str) -> list[tuple[object, str, Callable]
 
 
 def stitch_patches(clock: HostClock, backend: cgcompile.Backend) -> list:
-    """The stitch's generated forward (a runtime holds it as `_code`) reaches each piece
-    through a namespace entry bound at construction: both are wrapped per runtime. A
+    """The stitch's generated forward (a runtime's `Stitch` holds it as `_code`) reaches
+    each piece through a namespace entry, which the runner's `at(n, size)` returns: both
+    are wrapped per runtime, and the namespaces made anew (empty while patched). A
     replay plan binds those entries and `CUDAGraph.replay` when it is made: plans made
     while the wrappers are in place (see `replanned`) bind the wrapped ones, and the
     plan's own time (address checks, input copies) is its exclusive time."""
     pairs = [(replay_plan, "build_plan", _timed_plans(clock))]
     for runtime in backend.runtimes:
-        pairs.append((runtime, "_code", clock.wrap("stitch code", runtime._code)))
+        stitch = runtime.stitch
+        pairs += [(stitch, "_code", clock.wrap("stitch code", stitch._code)), (stitch, "_namespaces", {})]
         for runner in runtime.runners:
-            name = runner.piece_name.rsplit(".", 1)[-1]
-            entry = vars(runtime._namespace).get(name)
             graph = isinstance(runner, graph_piece.CudaGraphPiece)
             if graph and runtime.plans is not None:
                 continue  # a plan replays the piece's graph itself: no dispatch to wrap
-            if entry is not None:
-                label = "graph piece dispatch" if graph else "pieces run eagerly"
-                pairs.append((runtime._namespace, name, clock.wrap(label, entry)))
+            label = "graph piece dispatch" if graph else "pieces run eagerly"
+            pairs.append((runner, "at", lambda n, size, at=runner.at, label=label: clock.wrap(label, at(n, size))))
     return pairs
 
 

@@ -25,7 +25,6 @@ from .aot_capture import (
     require_cuda_graphs,
     requested_sizes,
 )
-from .buffers import StepSize
 from .capture import CaptureSession
 from .compat import torch_compile_call_of, torch_compile_call_on_stack
 from .compiler import EagerPieceCompiles, PieceCompiler
@@ -125,7 +124,7 @@ class Backend:
         self._count_uncaptured(analysis)
         split = phases.split_pieces(gm, analysis, self.config, self._uncapturable)
         sizing = phases.choose_sizing(split, analysis, self.config)
-        build = phases.GraphBuild(index, analysis, sizing, StepSize(), self._compiler, self.config)
+        build = phases.GraphBuild(index, analysis, sizing, self._compiler, self.config)
         runners = phases.build_runners(build, split, self.session)
         self._records.add(index, runners.pieces)
         full = phases.full_graph(build, gm, split, runners, self.session, self._stats, self._eager_compiles)
@@ -134,7 +133,7 @@ class Backend:
         recovery = phases.piece_recovery(build, split, self._records, self._uncapturable)
         runtime = GraphRuntime(
             split.stitch, list(runners.runners), clone, self.config.split.cudnn_attention,
-            phases.call_sizing(build, self.session), build.step,
+            phases.call_sizing(build, self.session),
             full=full.graph, fused=fusion.weights, addresses=watch, session=self.session, recovery=recovery,
             graph_name=f"graph{index}",
         )

@@ -3,7 +3,7 @@ its tensors get into the buffers a graph reads.
 
 Three parts, used by every path (graph pieces, whole graphs, breakable graphs):
   - sizes: which captured size serves a call of size n, padded to a capture size or
-    exact (`PaddingTable`, `StepSize`, `SizePolicy`);
+    exact (`PaddingTable`, `SizePolicy`);
   - layout: the strides a compiled piece was traced with (`TracedLayout`);
   - static buffers: allocate, fill before each replay (rows only, padding zeroed), narrow
     the outputs back, and read in place what already lies there (`StaticBuffer`,
@@ -43,22 +43,6 @@ class PaddingTable:
         if not 0 < n <= self.largest:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, n)]
-
-
-class StepSize:
-    """The size of the current call, shared by a graph's runtime and its pieces.
-
-    The runtime sets it once per call, before any piece runs, so every piece of a step
-    agrees on it. n: the call's size along the capture dimension (0 for a static graph).
-    size: the size graphs run at and are keyed by (n itself, or the capture size n is
-    padded to); None runs the pieces without graphs.
-    """
-
-    __slots__ = ("n", "size")
-
-    def __init__(self):
-        self.n = 0
-        self.size: int | None = 0
 
 
 class SizePolicy:

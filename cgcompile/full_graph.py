@@ -1,5 +1,9 @@
 """One CUDA graph for a whole Dynamo graph, chosen per call beside its piecewise graphs.
 
+`FullGraph` is the first of the runtime's three executors (see `cgcompile.runtime`): it
+declines a call (returns None) that must run piecewise, and the replay plan or the
+stitch runs it.
+
 `FullGraph.run` is the per-call choice, before any piece runs. A call takes the full
 path when
   1. its size is a capture size itself (n == size: a full graph would run the split ops
@@ -37,12 +41,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from .buffers import StaticBuffer, empty_like_strided, fill_all
-from .buffers import StepSize
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .ops import call_without_cudnn_attention
 from .passes import FullGraphPlan
-from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out
+from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out, submodule_name
 from .stats import BackendStats
 
 if TYPE_CHECKING:
@@ -70,6 +73,8 @@ class FullGraph:
     copies: how each tensor output is copied out of the graph's static buffers
         (`runtime.OutputCopy`); empty with Config.reuse_output_buffers.
     """
+
+    kind = "full graph"
 
     def __init__(self, name: str, plan: FullGraphPlan, code: FullGraphCode, session: CaptureSession,
                  stats: BackendStats, copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
@@ -199,31 +204,28 @@ class FullGraph:
             log.info(message, *args)
 
 
-def plain_function(stitch: torch.fx.GraphModule, runners: Sequence[PieceRunner], step: StepSize,
+def plain_function(stitch: torch.fx.GraphModule, runners: Sequence[PieceRunner], n_at: tuple[int, int] | None,
                    cudnn_attention: bool, eager_compiles: EagerPieceCompiles | None = None) -> Callable:
     """The whole graph as one function: the stitch calling every piece's own code in
     order, no graphs, no padding (the full path runs only at n == size). With
     `eager_compiles`, eager pieces that hold attention of a few query rows run compiled
-    (see `EagerPieceCompiles`)."""
-    calls = {}
-    for runner in runners:
-        name = runner.piece_name.rsplit(".", 1)[-1]
-        compiled = None
-        if eager_compiles is not None and type(runner) is PieceRunner and isinstance(runner.fn, torch.fx.GraphModule):
-            compiled = eager_compiles.for_piece(runner.fn)
-        calls[name] = compiled or _plain_piece(runner, step)
-    namespace = _StitchNamespace(stitch, calls)
+    (see `EagerPieceCompiles`). n_at: (graph input, dim) where a call's n is read (the
+    compiled pieces take their inputs in the layout traced for n); None: a static graph."""
+    compiled = {}
+    if eager_compiles is not None:
+        for runner in runners:
+            if type(runner) is PieceRunner and isinstance(runner.fn, torch.fx.GraphModule):
+                compiled[submodule_name(runner)] = eager_compiles.for_piece(runner.fn)
+    namespaces: dict[int, _StitchNamespace] = {}
+
+    def namespace(args) -> _StitchNamespace:
+        n = 0 if n_at is None else args[n_at[0]].shape[n_at[1]]
+        if n not in namespaces:
+            calls = {submodule_name(r): compiled.get(submodule_name(r)) or r.at(n, None) for r in runners}
+            namespaces[n] = _StitchNamespace(stitch, calls)
+        return namespaces[n]
+
     code = type(stitch).forward
     if cudnn_attention:
-        return lambda *args: code(namespace, *args)
-    return lambda *args: call_without_cudnn_attention(code, namespace, *args)
-
-
-def _plain_piece(runner, step) -> Callable:
-    traced = getattr(runner, "traced", None)
-    if traced is None:
-        return runner.step_fn
-    fn = runner.fn
-    if not traced.checked:
-        return fn
-    return lambda *args: fn(*traced.conform(args, step.n))
+        return lambda *args: code(namespace(args), *args)
+    return lambda *args: call_without_cudnn_attention(code, namespace(args), *args)

@@ -1,9 +1,13 @@
 """Replay one capturable piece from CUDA graphs, one graph per capture size.
 
-Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture dimension):
-  - the graph's runtime has already chosen the size N of this call (`buffers.StepSize`):
-    the capture size n is padded to, n itself (a graph run at exact sizes), or None (no
-    graph: n above the largest capture size, or past the exact-size limit).
+Every runner here is asked once per (n, size) for the callable the stitch calls
+(`PieceRunner.at(n, size)`): n is the call's size along the capture dimension, size the
+size N its graphs run at, chosen by the graph's runtime before any piece runs (the
+capture size n is padded to, n itself for a graph run at exact sizes, or None: no graph,
+n above the largest capture size or past the exact-size limit). Nothing is shared or
+set between calls: the sizes are bound into what `at` returns.
+
+Contract of `CudaGraphPiece.run(n, size, *args)`:
   - N None: run the compiled piece directly, inputs in their traced layout.
   - otherwise the graph of size N is captured on first use; once the session takes no
     new graphs (after a capture under a memory budget), a size without a graph runs the
@@ -17,24 +21,30 @@ Contract of `CudaGraphPiece.forward(*args)` for a call of size n (the capture di
   - outputs are the graph's static buffers narrowed to n rows: they stay valid until
     the next replay of the same graph.
   - no input or output is a CPU tensor (the split rule's cpu_tensor): a capture that
-    would hold one fails with `capture.HostTensorError`, and `recover` takes over.
+    would hold one fails with `capture.HostTensorError`.
+  - a capture that fails raises `PieceCaptureFailed` (the piece, its arguments, the
+    padded arguments it was captured with, and the cause). The piece does not recover
+    itself: the runtime that called it catches that, has the piece split again at the
+    node to blame (`recovery.PieceRecovery`) and swaps its runner (`runtime.GraphRuntime`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from typing import Callable
 
 import sympy
 import torch
 
-from .buffers import (StaticBuffer, StepSize, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all,
+from .buffers import (StaticBuffer, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all,
                       padded_shape)
 from .capture import CaptureSession, Mode, weak_alias
 from .errors import CaptureError
 from .passes import example_value, written_inputs
 from .replay_plan import CapturedGraph
-from .runtime import PieceRunner
+from .runtime import PieceCaptureFailed, PieceRunner
 
 log = logging.getLogger(__name__)
 
@@ -102,34 +112,50 @@ class _Graph:
     outputs: tuple[torch.Tensor, ...]
 
 
-class CudaGraphPiece(PieceRunner):
+class _TracedPiece(PieceRunner):
+    """A compiled piece whose inputs are handed over in the layout it was traced with."""
+
+    def __init__(self, name, fn, traced: TracedLayout):
+        super().__init__(name, fn)
+        self.traced = traced
+
+    def compiled_at(self, n: int) -> Callable:
+        """The compiled piece itself, run without graphs or padding on calls of n rows."""
+        if not self.traced.checked:
+            return self.fn  # nothing to conform: the piece's own function, no wrapper
+        return functools.partial(_conformed, self.fn, self.traced, n)
+
+    def at(self, n: int, size: int | None) -> Callable:
+        return self.compiled_at(n)
+
+
+def _conformed(fn: Callable, traced: TracedLayout, n: int, *args):
+    return fn(*traced.conform(args, n))
+
+
+class CudaGraphPiece(_TracedPiece):
     """A compiled piece replayed from one CUDA graph per size of its graph's calls.
 
-    step: the size of the current call, set by the graph's runtime (shared by its pieces).
     traced: the traced strides of the inputs; input buffers are allocated in them.
     """
 
-    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession, step: StepSize,
-                 traced: TracedLayout):
-        super().__init__(name, fn)
+    replays_graphs = True
+
+    def __init__(self, name, fn, layout: PieceLayout, session: CaptureSession, traced: TracedLayout):
+        super().__init__(name, fn, traced)
         self.layout = layout
         self.session = session
-        self.step = step
-        self.traced = traced
         self.graphs: dict[int, _Graph] = {}
         self._warmed: set[int] = set()  # sizes that had an ahead-of-time warm-up run
-        # Called as recover(self, args, padded_args, error) when capturing fails: set by
-        # the runtime that runs this piece, from its `recovery.PieceRecovery`, which splits
-        # the piece at the node that cannot be captured.
-        self.recover = None
         self._copy_inputs = tuple(
             i for i, by_addr in enumerate(layout.by_address) if not by_addr and i not in layout.size_inputs
         )
         session.register(self)
 
-    @property
-    def step_fn(self):
-        return self.forward
+    def at(self, n: int, size: int | None) -> Callable:
+        if size is None:
+            return self.compiled_at(n)
+        return functools.partial(self.run, n, size)
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -142,10 +168,7 @@ class CudaGraphPiece(PieceRunner):
             return None
         return CapturedGraph(entry.graph.replay, entry.inputs, entry.outputs, self.layout.output_dims)
 
-    def forward(self, *args):
-        n, size = self.step.n, self.step.size
-        if size is None:
-            return self.fn(*self.traced.conform(args, n))
+    def run(self, n: int, size: int, *args):
         entry = self.graphs.get(size)
         if entry is None and self.session.mode is Mode.LAZY and not self.session.lazy_capture:
             return self.fn(*self.traced.conform(args, n))  # no graph, and none may be added now
@@ -190,9 +213,7 @@ class CudaGraphPiece(PieceRunner):
             try:
                 return self._capture(padded, in_place, n, size)
             except CaptureError as error:
-                if self.recover is None:
-                    raise
-                return self.recover(self, args, padded, error)
+                raise PieceCaptureFailed(self, args, padded, error) from error
         return self._replay(entry, args, n, size)
 
     def _warm_up(self, padded: list):
@@ -255,28 +276,23 @@ class CudaGraphPiece(PieceRunner):
         return narrowed
 
 
-
-class PaddedPiece(PieceRunner):
+class PaddedPiece(_TracedPiece):
     """A compiled piece run padded to the call's size without CUDA graphs.
 
     What `Config(padding=True)` gives on CPU: the pieces compute on exactly the padded
     inputs a graph would replay with, so tests without a GPU see what padding does.
     """
 
-    def __init__(self, name, fn, layout: PieceLayout, step: StepSize, traced: TracedLayout):
-        super().__init__(name, fn)
+    def __init__(self, name, fn, layout: PieceLayout, traced: TracedLayout):
+        super().__init__(name, fn, traced)
         self.layout = layout
-        self.step = step
-        self.traced = traced
 
-    @property
-    def step_fn(self):
-        return self.forward
-
-    def forward(self, *args):
-        n, size = self.step.n, self.step.size
+    def at(self, n: int, size: int | None) -> Callable:
         if size is None or size == n:
-            return self.fn(*self.traced.conform(args, n))
+            return self.compiled_at(n)
+        return functools.partial(self.run, n, size)
+
+    def run(self, n: int, size: int, *args):
         padded = list(args)
         for i, dims in enumerate(self.layout.input_dims):
             if dims and not self.layout.by_address[i]:
@@ -286,17 +302,5 @@ class PaddedPiece(PieceRunner):
         return narrow_all(self.fn(*padded), self.layout.output_dims, n)
 
 
-class CompiledPiece(PieceRunner):
+class CompiledPiece(_TracedPiece):
     """A compiled piece run as it comes, its inputs handed over in the traced layout."""
-
-    def __init__(self, name, fn, step: StepSize, traced: TracedLayout):
-        super().__init__(name, fn)
-        self.step = step
-        self.traced = traced
-
-    @property
-    def step_fn(self):
-        return self.forward if self.traced.checked else self.fn
-
-    def forward(self, *args):
-        return self.fn(*self.traced.conform(args, self.step.n))

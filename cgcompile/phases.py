@@ -3,8 +3,9 @@
 Each step is a function that returns a record of what it decided; none of them reaches
 back into the Backend. What they need of its state (the compile cache, the capture
 session, the fused weight copies, the ops a capture failed on) is handed to them.
-Capture recovery (`recovery.PieceRecovery`) runs `build_runners` again on a piece's
-re-split, so a piece cut after a failed capture is built as the first compile built it.
+Capture recovery (`recovery.PieceRecovery`, which `piece_recovery` builds and the graph's
+runtime holds) runs `build_runners` again on a piece's re-split when the runtime asks
+it, so a piece cut after a failed capture is built as the first compile built it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .buffers import SizePolicy, StepSize, TracedLayout
+from .buffers import SizePolicy, TracedLayout
 from .capture import CaptureSession
 from .compat import is_static_address
 from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
@@ -102,7 +103,6 @@ class GraphBuild:
     index: int  # the graph's number in its Backend
     analysis: GraphAnalysis
     sizing: GraphSizing
-    step: StepSize  # the call's size, shared by the graph's runtime and its runners
     compiler: PieceCompiler
     config: Config
 
@@ -287,14 +287,14 @@ def _make_runner(build: GraphBuild, piece: Piece, spec, fn, session: CaptureSess
     traced = TracedLayout([example_value(n) for n in spec.inputs], symbol, checked)
     graphs = build.analysis.cudagraphs
     if not (graphs or sizing.padded):
-        return CompiledPiece(piece.name, fn, build.step, traced)
+        return CompiledPiece(piece.name, fn, traced)
     layout = piece_layout(spec, symbol if sizing.padded else None, build.analysis.static_inputs)
     if isinstance(layout, str):
         # The padding-safety pass rejects every piece whose layout cannot be padded.
         raise AssertionError(f"{piece.name}: padded, but {layout}")
     if not graphs:
-        return PaddedPiece(piece.name, fn, layout, build.step, traced)
-    return CudaGraphPiece(piece.name, fn, layout, session, build.step, traced)
+        return PaddedPiece(piece.name, fn, layout, traced)
+    return CudaGraphPiece(piece.name, fn, layout, session, traced)
 
 
 def _record_piece(graph_index: int, spec, sizing: GraphSizing, uncaptured: str | None) -> Piece:
@@ -367,7 +367,9 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
     whole = options.full_graph_compile  # Inductor, whatever compiles the pieces
     # Also the fallback of a whole-graph compile that fails: compiles only if it runs.
     eager = eager_compiles if options.small_query_attention else None
-    pieces = plain_function(split.stitch, runners.runners, build.step, config.split.cudnn_attention, eager)
+    dim = build.analysis.capture_dim
+    n_at = None if dim is None else (build.analysis.capture_index, dim.dim)  # where a call's n is read
+    pieces = plain_function(split.stitch, runners.runners, n_at, config.split.cudnn_attention, eager)
     code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
                          config.split.cudnn_attention, options.small_query_attention)
     return FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
@@ -434,12 +436,13 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
 
 def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,
                    uncapturable: UncapturableOps) -> PieceRecovery | None:
-    """What splits a piece again where its capture fails (graph pieces only): the runners
-    of a re-split are built by `build_runners`, as the first ones were."""
+    """What the graph's runtime asks to split a piece again where its capture fails
+    (graph pieces only): the runners of a re-split are built by `build_runners`, as the
+    first ones were."""
     if not build.analysis.cudagraphs:
         return None
     rebuild: Callable = functools.partial(build_runners, build, resplit=True)
-    return PieceRecovery(split, rebuild, records, uncapturable, build.config.split.cudnn_attention)
+    return PieceRecovery(split, rebuild, records, uncapturable)
 
 
 # -- helpers ---------------------------------------------------------------------------

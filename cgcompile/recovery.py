@@ -8,16 +8,18 @@ eagerly, so lazy initialisation is done, then alone under a throwaway capture) a
 returns the first node whose capture fails. `PieceRecovery` then splits the piece at that
 node (`split_at_node`): the node runs eagerly, the rest is captured as before.
 
-`PieceRecovery` is given to a graph's runtime when it is built and arms the runtime's
-graph pieces with it; it builds the re-split's runners with the same phase that built
-the first ones (`phases.build_runners`), and updates the Backend's records that it was
-handed (`stats.PieceRecords`, `UncapturableOps`): nothing here calls the Backend.
+The flow: a graph piece whose capture fails raises `runtime.PieceCaptureFailed`; the
+runtime that ran it catches it and asks the `PieceRecovery` it was built with for a
+`Resplit` (`PieceRecovery.resplit`), then swaps its own runner for it. The recovery
+builds the re-split's runners with the same phase that built the first ones
+(`phases.build_runners`) and updates the Backend's records that it was handed
+(`stats.PieceRecords`, `UncapturableOps`). It holds no runtime and writes into none;
+nothing here calls the Backend.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -27,9 +29,8 @@ from torch.fx import GraphModule, Interpreter, Node
 from .capture import CaptureSession, end_capture, gc_paused
 from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
 from .errors import CaptureError
-from .graph_piece import CudaGraphPiece
 from .passes import SplitGraph, SplitReason, is_floating, split_graph
-from .runtime import GraphRuntime, PieceRunner
+from .runtime import PieceCaptureFailed, PieceRunner, Resplit
 from .stats import PieceRecords
 
 log = logging.getLogger(__name__)
@@ -165,66 +166,44 @@ class UncapturableOps:
 
 
 class PieceRecovery:
-    """Splits a graph piece whose capture failed at the node to blame, then finishes the call.
+    """Splits a graph piece whose capture failed at the node to blame.
 
     split: the split the graph's runtime runs; rebuild(split, session): the runners of a
     re-split (`phases.build_runners`, bound to this graph); records, uncapturable: the
-    Backend's records, updated here; cudnn_attention: as the graph's runtime runs.
+    Backend's records, updated here.
     """
 
     def __init__(self, split: SplitGraph, rebuild: Callable, records: PieceRecords,
-                 uncapturable: UncapturableOps, cudnn_attention: bool):
-        self.split = split
+                 uncapturable: UncapturableOps):
         self.rebuild = rebuild
         self.records = records
         self.uncapturable = uncapturable
-        self.cudnn_attention = cudnn_attention
+        # Piece graphs by spec name ("piece_0", and "piece_0.piece_2" after a re-split).
+        self._graphs: dict[str, GraphModule] = {spec.name: spec.graph for spec in split.pieces}
 
-    def arm(self, runtime: GraphRuntime) -> None:
-        """Called by the runtime's constructor: its graph pieces recover here."""
-        self._arm(runtime, runtime, self.split)
-
-    def _arm(self, top: GraphRuntime, owner: GraphRuntime, split: SplitGraph) -> None:
-        """Each graph piece of `owner` (`top` itself, or a piece's split inside it) recovers
-        through `top`, the runtime Dynamo calls."""
-        for spec, runner in zip(split.pieces, owner.runners):
-            if isinstance(runner, CudaGraphPiece):
-                runner.recover = functools.partial(self._recover, top, owner, spec)
-
-    def _recover(self, top: GraphRuntime, owner: GraphRuntime, spec, runner: CudaGraphPiece, args, padded,
-                 error: CaptureError):
-        """Split the piece at the node that cannot be captured, then finish this call.
-
-        Graphs of `top` captured in earlier calls or earlier in this one are dropped, and
-        the rest of this call runs without graphs: all graphs of one size must be captured
-        in one call for the pool's memory sharing to hold (see `capture.CaptureSession`).
-        """
-        found = find_uncapturable_node(spec.graph, padded, runner.session)
-        top.drop_graphs()
-        top.step.size = None
+    def resplit(self, failed: PieceCaptureFailed) -> Resplit:
+        """The failed piece split at the node that cannot be captured (or, where no single
+        node is to blame, its code run eagerly); the Backend's records say so."""
+        piece = failed.piece
+        spec_name = piece.piece_name.split(".", 1)[1]  # "graph0.piece_0" -> "piece_0"
+        graph = self._graphs[spec_name]
+        found = find_uncapturable_node(graph, failed.padded, piece.session)
         if found is None:
-            replacement = PieceRunner(runner.piece_name, spec.graph)
-            new_runners = [replacement]
-            reason = f"capture_failed: no single node could be blamed ({error}); the piece runs eagerly"
+            result = Resplit(None, (PieceRunner(piece.piece_name, graph),))
+            reason = f"capture_failed: no single node could be blamed ({failed.cause}); the piece runs eagerly"
         else:
-            replacement, new_runners = self._resplit(top, spec, found, runner.session)
-            reason = f"capture_failed: split at {found.node.name} ({found.op}), see {runner.piece_name}.*"
-        self.uncapturable.remember(runner.piece_name, found, error)
-        self.records.replace(runner.piece_name, reason)
-        owner.replace_runner(runner, replacement, new_runners)
-        top.runners.extend(r for r in new_runners if r not in top.runners)
-        return replacement(*args)
+            result = self._split(spec_name, graph, found, piece.session)
+            reason = f"capture_failed: split at {found.node.name} ({found.op}), see {piece.piece_name}.*"
+        self.uncapturable.remember(piece.piece_name, found, failed.cause)
+        self.records.replace(piece.piece_name, reason)
+        return result
 
-    def _resplit(self, top: GraphRuntime, spec, found: Uncapturable,
-                 session: CaptureSession) -> tuple[GraphRuntime, list[PieceRunner]]:
-        """The piece cut at `found`, run by a runtime of its own inside `top`'s."""
-        sub = split_at_node(spec.graph, found)
+    def _split(self, spec_name: str, graph: GraphModule, found: Uncapturable, session: CaptureSession) -> Resplit:
+        sub = split_at_node(graph, found)
         sub = dataclasses.replace(sub, pieces=tuple(
-            dataclasses.replace(p, name=f"{spec.name}.{p.name}") for p in sub.pieces
+            dataclasses.replace(p, name=f"{spec_name}.{p.name}") for p in sub.pieces
         ))
+        self._graphs.update((p.name, p.graph) for p in sub.pieces)
         built = self.rebuild(sub, session)
         self.records.add(built.graph_index, built.pieces)
-        runners = list(built.runners)
-        replacement = GraphRuntime(sub.stitch, runners, (), self.cudnn_attention, None, top.step)
-        self._arm(top, replacement, sub)
-        return replacement, runners
+        return Resplit(sub.stitch, tuple(built.runners))

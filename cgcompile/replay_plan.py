@@ -21,6 +21,10 @@ leaves the check out. Every other input is checked as before. A graph output liv
 its alias as long as the graph exists; plans are dropped whenever a graph of the session
 is captured or dropped, or a runner is replaced (`CaptureSession.graphs_changed`), and
 run only while the session captures lazily (never during an ahead-of-time capture).
+
+`ReplayPlans` is one of the runtime's three executors (see `cgcompile.runtime`): it
+declines a call (returns None) until a plan of the call's (n, N) can be made, and the
+stitch runs it instead.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ import keyword
 import logging
 import math
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
 from .buffers import StaticBuffer, copy_in, narrow
+from .capture import Mode
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,21 @@ class CapturedGraph:
     output_dims: tuple[tuple[int, ...], ...]
 
 
+class GraphPiece(Protocol):
+    """A runner that holds CUDA graphs (`graph_piece.CudaGraphPiece`), as a plan reads it."""
+
+    def captured_graph(self, size: int) -> CapturedGraph | None: ...
+
+
+class Pieces(Protocol):
+    """The runtime's stitch and its runners (`runtime.Stitch`), as plans read them."""
+
+    stitch: torch.fx.GraphModule
+    runners: dict[str, Any]  # by submodule name
+
+    def calls(self, n: int, size: int | None) -> dict[str, Callable]: ...
+
+
 class NotCaptured(Exception):
     """A graph piece holds no graph for the plan's size yet: its call still captures."""
 
@@ -65,8 +85,9 @@ class _Writer:
     """Lines of the generated function, the constants they name, and the source that
     names each stitch node's value (a local, `args[i]`, or a constant)."""
 
-    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int):
-        self.stitch, self.calls, self.n, self.size = stitch, calls, n, size
+    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], graphs: dict[str, GraphPiece],
+                 n: int, size: int):
+        self.stitch, self.calls, self.graphs, self.n, self.size = stitch, calls, graphs, n, size
         self.lines: list[str] = []
         self.constants: dict[str, Any] = {}
         self.values: dict[torch.fx.Node, str] = {}
@@ -124,15 +145,18 @@ def _has_node(arg) -> bool:
     return bool(found)
 
 
-def build_plan(stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int) -> Callable:
+def build_plan(stitch: torch.fx.GraphModule, calls: dict[str, Callable], n: int, size: int,
+               graphs: dict[str, GraphPiece] | None = None) -> Callable:
     """The replay function of the stitch for calls of n rows run at `size`.
 
-    calls: the runtime's per-piece callables by submodule name (a graph piece's bound
-    `forward`, an eager piece's code, a recovery's replacement).
+    calls: what the stitch calls per piece at (n, size), by submodule name (an eager
+    piece's code, a recovery's re-split; see `runtime.Stitch.calls`). graphs: the graph
+    pieces by submodule name (`runtime.PieceRunner.replays_graphs`): their graphs are launched
+    directly, never called.
     Raises NotCaptured when a graph piece holds no graph for that size (it still has to
     capture); any other exception means the plan cannot be made (`ReplayPlans` falls back).
     """
-    out = _Writer(stitch, calls, n, size)
+    out = _Writer(stitch, calls, graphs or {}, n, size)
     last_use = _last_uses(stitch.graph)
     placeholders = 0
     for node in stitch.graph.nodes:
@@ -193,9 +217,9 @@ def _is_node_in(arg, nodes: dict) -> bool:
 def _write_module_call(out: _Writer, node: torch.fx.Node, var: str) -> str:
     """A piece: a graph piece replays its graph (its outputs are constants, views of the
     graph's output buffers); an eager piece is called with its arguments."""
-    call = out.calls[node.target]
-    graph = _captured(call, out.size)
+    graph = _captured(out.graphs.get(node.target), out.size)
     if graph is None:
+        call = out.calls[node.target]
         out.lines.append(f"{var} = {out.constant(call, 'call')}({out.call_args(node.args, node.kwargs)})")
         return var
     if node.kwargs:
@@ -207,14 +231,12 @@ def _write_module_call(out: _Writer, node: torch.fx.Node, var: str) -> str:
     return out.constant(out.narrowed[node], "out")
 
 
-def _captured(call: Callable, size: int) -> CapturedGraph | None:
-    """The graph a call replays at `size`, or None for an eager call; raises NotCaptured
-    for a graph piece with no graph of that size yet."""
-    runner = getattr(call, "__self__", None)
-    captured = getattr(runner, "captured_graph", None)
-    if captured is None:
+def _captured(runner: GraphPiece | None, size: int) -> CapturedGraph | None:
+    """The graph a graph piece replays at `size`, or None for a piece that is called;
+    raises NotCaptured for a graph piece with no graph of that size yet."""
+    if runner is None:
         return None
-    graph = captured(size)
+    graph = runner.captured_graph(size)
     if graph is None:
         raise NotCaptured(size)
     return graph
@@ -263,14 +285,15 @@ class ReplayPlans:
     cannot write, a node it does not know), the calls of that (n, size) run the stitch
     from then on, after one warning for the graph.
 
-    calls: the runtime's per-piece callables by submodule name, read when a plan is made
-    (a recovery replaces entries, and says so through `graphs_changed`).
+    stitch: the runtime's `runtime.Stitch`, whose runners are read when a plan is made
+    (a recovery replaces one, and says so through `graphs_changed`).
     name: the graph's, for the log ("graph<k>").
     """
 
-    def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable], session, name: str = "graph"):
+    kind = "replay plan"
+
+    def __init__(self, stitch: Pieces, session, name: str = "graph"):
         self.stitch = stitch
-        self.calls = calls
         self.session = session
         self.name = name
         self.made = 0  # plans made over the runtime's life (a plan per size, again after a change)
@@ -281,6 +304,14 @@ class ReplayPlans:
 
     def clear(self) -> None:
         self._plans.clear()
+
+    def run(self, args: tuple, n: int, size: int | None):
+        """The call's outputs from its plan; None (declined) where there is none yet, or
+        no graph runs, or graphs are captured ahead of time."""
+        if size is None or self.session.mode is not Mode.LAZY:
+            return None
+        plan = self.get(n, size)
+        return None if plan is None else plan(args)
 
     def get(self, n: int, size: int) -> Callable | None:
         """The plan for a call of n rows at `size`; None: run the stitch (it captures, or no
@@ -294,7 +325,8 @@ class ReplayPlans:
         if (n, size) in self.failures:
             return None
         try:
-            plan = build_plan(self.stitch, self.calls, n, size)
+            graphs = {name: r for name, r in self.stitch.runners.items() if r.replays_graphs}
+            plan = build_plan(self.stitch.stitch, self.stitch.calls(n, size), n, size, graphs)
         except NotCaptured:
             return None
         except Exception as e:  # a fast path that fails to build must not fail the call

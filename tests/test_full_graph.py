@@ -18,7 +18,6 @@ from torch import nn
 
 import cgcompile
 from cgcompile import phases
-from cgcompile.buffers import StepSize
 from cgcompile.capture import CaptureSession
 from cgcompile.compiler import EagerPieceCompiles, PieceCompiler
 from cgcompile.recovery import UncapturableOps
@@ -100,7 +99,7 @@ def full_graph_choice(config, cudagraphs: bool, model, *args):
     analysis = phases.analyse(gm, inputs, config)
     split = phases.split_pieces(gm, analysis, config, UncapturableOps())
     sizing = phases.choose_sizing(split, analysis, config)
-    build = phases.GraphBuild(0, analysis, sizing, StepSize(), PieceCompiler("eager"), config)
+    build = phases.GraphBuild(0, analysis, sizing, PieceCompiler("eager"), config)
     session = CaptureSession.for_config(config)
     runners = phases.build_runners(build, split, session)  # CPU runners: only the full path is looked at
     build = dataclasses.replace(build, analysis=dataclasses.replace(analysis, cudagraphs=cudagraphs))
