@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
     torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 70b --batches 1,8   # TP=4, 70B class
+    torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 8b --parts pp,tppp   # PP=4; 2 stages x TP=2
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
 
 TP runs over every rank (TP=N, variant names tpN-...); TP=1 is rank 0 alone. The 70B-class
@@ -25,19 +26,24 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
     tpN-cgcompile-full-sq, tp1-cgcompile-full-sq
                     the same with that attention compiled as batched matmuls over the keys
                     (Config.small_query_attention; CUDA only)
-    pp2-cgcompile   two StageDecoders, one per rank, two micro-batches in flight
-                    (cgcompile.parallel.pipeline.ring_schedule): tokens/s at batch 64
-    pp2-eager       the same stages, eager
-    single          the unsharded model compiled with cgcompile on rank 0 alone at batch 64,
-                    measured with the pipeline whatever --batches says (tokens/s = 64 / step)
+    single          the unsharded model compiled with cgcompile on rank 0 alone at every
+                    --pp-batches batch (tokens/s = batch / step); the batch of the most tokens/s
+                    is the pipeline's micro-batch, as a server would size it
+    ppN-cgcompile   N StageDecoders, one per rank, N micro-batches of that size in flight
+                    (cgcompile.parallel.pipeline.ring_schedule): tokens/s
+    ppN-eager       the same stages, eager
+    tpTppS-cgcompile, tpTppS-eager (--parts tppp, --tp T)
+                    S = N / T stages of T ranks each: each stage's layers tensor parallel
+                    over its ranks (a (stages, T) device mesh), the same pipeline over them
     all-reduce      a TP step's 64 all-reduces of [batch, hidden] alone, captured in one CUDA
                     graph: microseconds per all-reduce (what TP=2 pays that TP=1 does not)
     all-reduce-fast the same through cgcompile's fast all-reduce (`cgcompile::all_reduce`,
                     torch symmetric memory where the group allows it; CUDA only)
 
 --all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md);
---tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, tp1: rank 0
-alone); --json writes rank 0's rows to a file. NVLink multicast stays off in every run.
+--tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
+small-query one alone, tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
+multicast stays off in every run.
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
 --warmup steps before timing; TP step time is the median of --steps steps, each timed
@@ -47,13 +53,14 @@ wall time of --steps decode steps of both micro-batches, synchronised at both en
 cache holds FILL positions before the first step; each step writes the next position. Ratios, not absolute numbers, are the verdicts:
   TP: tp1-cgcompile / tp2-cgcompile >= 1.6 at batch 1 (8b), tp1 / tp4 >= 2.5; tpN-eager / tpN-cgcompile >= 4;
       70b tp4-cgcompile <= 1.3x the per-rank weight-bytes floor at batch 1
-  PP: pp2-cgcompile / pp2-eager >= 1.6; pp2-cgcompile / single >= 1.3 (tokens/s, batch 64)
+  PP: pp2-cgcompile / single at its best batch >= 1.6 (tokens/s; each micro-batch that batch)
 Rank 0 prints one JSON line per measurement and the ratios at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -73,7 +80,7 @@ from cgcompile.parallel.distributed import prepare_collectives, torchrun_worker 
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers  # noqa: E402
 from cgcompile.testing.decode_model import (MODEL_CONFIGS, HostLengthDecoder, Llama, ModelConfig,  # noqa: E402
                                             StaticMaskDecoder, use_length_independent_attention_kernels)
-from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder  # noqa: E402
+from cgcompile.testing.parallel_model import StageDecoder, TensorParallelDecoder, stage_groups  # noqa: E402
 
 CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
            "70b": ModelConfig(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=128256)}
@@ -93,30 +100,40 @@ def parse_args():
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"], help="Config.all_reduce")
     p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
-                   help="TP variants: cgcompile, eager, full (the full-graph ones), tp1 (rank 0 alone)")
+                   help="TP variants: cgcompile, eager, full (both full-graph ones), full-sq (the small-query one), "
+                        "tp1 (rank 0 alone)")
     p.add_argument("--parts", default="pp,tp,allreduce",
-                   help="which of pp (pipeline), tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
+                   help="which of pp (pipeline), tppp (pipeline of tensor-parallel stages, --tp ranks each), "
+                        "tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
+    p.add_argument("--pp-batches", default="16,32,64,128",
+                   help="batches one GPU runs alone (rank 0); the one of the most tokens/s is each pipeline "
+                        "stage's micro-batch")
+    p.add_argument("--tp", type=int, default=2, help="ranks per pipeline stage in --parts tppp")
     args = p.parse_args()
     if args.tiny:
-        args.models, args.steps, args.warmup = "tiny", 3, 2
+        args.models, args.steps, args.warmup, args.pp_batches = "tiny", 3, 2, "2,4"
     return args
 
 
-def make_backend(device, reuse=False, full=False, small_query=False):
+def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8, 32, 64)):
     """full: the static-attention model, attention declared capturable, so a decode step
     whose cache and position buffers stay put replays one CUDA graph (issue 16).
     small_query: that graph's attention compiled as batched matmuls (Config.small_query_attention)."""
     cuda = device.type == "cuda"
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     return cgcompile.Backend(cgcompile.Config(
-        capture_sizes=(1, 8, 32, 64), compiler="inductor" if cuda else "eager", capture_error_mode="thread_local",
+        capture_sizes=tuple(sorted(set(sizes))), compiler="inductor" if cuda else "eager",
+        capture_error_mode="thread_local",
         reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE, **split))
 
 
-def full_variants(device) -> tuple[tuple[str, bool], ...]:
-    """(name suffix, small_query) of the full-graph variants: small_query needs Inductor,
-    which the CPU smoke run leaves out."""
-    return (("full", False), ("full-sq", True)) if device.type == "cuda" else (("full", False),)
+def full_variants(device, variants) -> tuple[tuple[str, bool], ...]:
+    """(name suffix, small_query) of the full-graph variants that --tp-variants names: "full"
+    both, "full-sq" the small-query one alone (it needs Inductor, which the CPU smoke run
+    leaves out)."""
+    chosen = (("full", False), ("full-sq", True)) if "full" in variants else \
+        (("full-sq", True),) if "full-sq" in variants else ()
+    return tuple(v for v in chosen if device.type == "cuda" or not v[1])
 
 
 def build_llama(cfg, device, dtype):
@@ -161,7 +178,7 @@ def tensor_parallel(llama, device, args, report, floor):
             report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
         torch._dynamo.reset()
-        for suffix, small_query in full_variants(device) if "full" in variants else ():
+        for suffix, small_query in full_variants(device, variants):
             run_full(f"tp1-cgcompile-{suffix}", StaticMaskDecoder(llama), device, args, report, small_query)
     dist.barrier()
 
@@ -179,7 +196,7 @@ def sharded_variants(model, device, args, report, floor):
                 report(name, batch, step_s=step_s, **floor(step_s))
     del compiled
     torch._dynamo.reset()
-    for suffix, small_query in full_variants(device) if "full" in variants else ():
+    for suffix, small_query in full_variants(device, variants):
         run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query)
 
 
@@ -231,30 +248,61 @@ def run_full(name, model, device, args, report, small_query):
     torch._dynamo.reset()
 
 
-def pipeline(llama, cfg, device, dtype, args, report, batch=64):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mb = batch // world
-    model = StageDecoder(llama, stage_layers(cfg.layers, world, rank))
-    for name in ("pp2-cgcompile", "pp2-eager"):
-        backend = make_backend(device, reuse=True) if name == "pp2-cgcompile" else None
+def best_single_batch(cfg, device, dtype, args, report) -> int:
+    """One GPU alone (rank 0) at every --pp-batches batch: the batch of the most tokens/s,
+    which sets the pipeline's micro-batch (each stage then runs what one GPU runs best)."""
+    batches = [int(b) for b in args.pp_batches.split(",")]
+    best = [None]
+    if dist.get_rank() == 0:
+        llama = build_llama(dataclasses.replace(cfg, max_batch=max(batches)), device, dtype)
+        single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device, sizes=batches))
+        tokens_per_s = {}
+        for batch in batches:
+            step_s = step_seconds(single, device, batch, args)
+            tokens_per_s[batch] = batch / step_s
+            report("single", batch, step_s=step_s, tokens_per_s=tokens_per_s[batch])
+        best = [max(tokens_per_s, key=tokens_per_s.get)]
+        del single, llama
+        torch._dynamo.reset()
+        harness.release_memory(device)
+    dist.broadcast_object_list(best, src=0)
+    return best[0]
+
+
+def pipeline(cfg, device, dtype, args, report, mb: int, tp: int = 1):
+    """PP over every rank's stage (tp ranks per stage, tensor parallel inside it), one
+    micro-batch of `mb` rows per stage in flight: tokens/s of cgcompile and eager."""
+    pp_group, tp_group = stage_groups(tp, device)
+    stage, stages = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    batch = mb * stages  # rows in flight
+    llama = build_llama(dataclasses.replace(cfg, max_batch=max(cfg.max_batch, batch)), device, dtype)
+    model = StageDecoder(llama, stage_layers(cfg.layers, stages, stage), tp_group)
+    del llama  # the stage keeps its layers (and, with tp, its shards)
+    harness.release_memory(device)
+    if tp_group is not None:
+        prepare_collectives(device, tp_group, all_reduce=ALL_REDUCE)
+    prefix = f"pp{stages}" if tp == 1 else f"tp{tp}pp{stages}"
+    for name in (f"{prefix}-cgcompile", f"{prefix}-eager"):
+        backend = make_backend(device, reuse=True, sizes=(mb,)) if name.endswith("-cgcompile") else None
         run = torch.compile(model, backend=backend) if backend else model
         hidden = {"hidden": TensorSpec((cfg.hidden,), dtype)}
         tokens = {"tokens": TensorSpec((), torch.int64)}
-        stage = PipelineStage(receives=tokens if rank == 0 else hidden, sends=tokens if rank == world - 1 else hidden,
-                              max_rows=64, device=device, backend=backend)
-        stage.connect()
+        stage_io = PipelineStage(receives=tokens if stage == 0 else hidden,
+                                 sends=tokens if stage == stages - 1 else hidden,
+                                 max_rows=mb, device=device, group=pp_group, backend=backend)
+        stage_io.connect()
         first = torch.arange(batch, device=device) % 100
 
         def decode(steps, base):
             received = None
-            for tick in ring_schedule(world, rank, steps * world):
+            for tick in ring_schedule(stages, stage, steps * stages):
                 outputs = None
                 if tick.item is not None:
-                    micro, step = tick.item % world, tick.item // world
-                    x = first[micro * mb:(micro + 1) * mb] if rank == 0 and step == 0 else \
-                        received["tokens" if rank == 0 else "hidden"]
-                    outputs = {"tokens" if rank == world - 1 else "hidden": run(x, base + step, micro * mb)}
-                received = stage.exchange(outputs, mb if tick.receive else None)
+                    micro, step = tick.item % stages, tick.item // stages
+                    x = first[micro * mb:(micro + 1) * mb] if stage == 0 and step == 0 else \
+                        received["tokens" if stage == 0 else "hidden"]
+                    outputs = {"tokens" if stage == stages - 1 else "hidden": run(x, base + step, micro * mb)}
+                received = stage_io.exchange(outputs, mb if tick.receive else None)
 
         def timed_steps():  # until every rank is done
             decode(args.steps, FILL + args.warmup)
@@ -264,13 +312,11 @@ def pipeline(llama, cfg, device, dtype, args, report, batch=64):
         decode(args.warmup, FILL)
         dist.barrier()
         seconds, _ = harness.wall_s(timed_steps, device)
-        report(name, batch, tokens_per_s=batch * args.steps / seconds)
+        report(name, batch, tokens_per_s=batch * args.steps / seconds, micro_batch=mb)
+        del run, stage_io, backend
         torch._dynamo.reset()
-    if rank == 0:  # one GPU alone at the pipeline's batch, whatever --batches holds
-        single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
-        report("single", batch, step_s=step_seconds(single, device, batch, args))
-        del single
-        torch._dynamo.reset()
+    del model
+    harness.release_memory(device)
     dist.barrier()
 
 
@@ -319,13 +365,17 @@ def fast_all_reduce_us(x, device, args, per_step: int) -> float:
 
 def whole_model_parts(cfg, device, dtype, args, report, floor):
     """--parts on a model every rank builds whole (each keeps its part of it)."""
+    parts = args.parts.split(",")
+    if "pp" in parts or "tppp" in parts:
+        mb = best_single_batch(cfg, device, dtype, args, report)
+        if "pp" in parts:
+            pipeline(cfg, device, dtype, args, report, mb)
+        if "tppp" in parts:
+            pipeline(cfg, device, dtype, args, report, mb, tp=args.tp)
     llama = build_llama(cfg, device, dtype)
-    if "pp" in args.parts:
-        pipeline(llama, cfg, device, dtype, args, report)
-        llama.fill_caches(FILL)
-    if "tp" in args.parts:
+    if "tp" in parts:
         tensor_parallel(llama, device, args, report, floor)
-    if "allreduce" in args.parts:
+    if "allreduce" in parts:
         all_reduce_latency(cfg, device, dtype, args, report)
 
 
@@ -397,15 +447,26 @@ def print_ratios(rows):
             fast = value(model, "all-reduce-fast", batch, "us_per_all_reduce")
             print(f"{model} batch {batch}: one all-reduce {us:.1f} us; a TP step's 64 take {us * 64 / 1e3:.2f} ms"
                   + (f"; fast all-reduce {fast:.1f} us" if fast else ""))
-        pp, pp_eager = value(model, "pp2-cgcompile", 64, "tokens_per_s"), value(model, "pp2-eager", 64, "tokens_per_s")
-        single = value(model, "single", 64, "step_s")
-        if not (pp and pp_eager):
-            continue
-        single_tps = 64 / single if single else float("nan")
-        print(f"{model} batch 64: pp2-cgcompile {pp:.0f} tok/s, pp2-eager {pp_eager:.0f}, single {single_tps:.0f}; "
-              f"pp2-cgcompile/pp2-eager {pp / pp_eager:.2f}x (target >= 1.6), "
-              f"pp2-cgcompile/single {pp / single_tps:.2f}x (target >= 1.3)")
+        print_pipeline_ratios([r for r in rows if r["model"] == model], model)
 
+
+def print_pipeline_ratios(rows, model):
+    """Each pipeline variant's tokens/s against its eager twin and one GPU at its best batch."""
+    singles = [r for r in rows if r["variant"] == "single"]
+    best = max(singles, key=lambda r: r["tokens_per_s"]) if singles else None
+    for row in rows:
+        name = row["variant"]
+        if "pp" not in name or not name.endswith("-cgcompile"):
+            continue
+        eager = next((r["tokens_per_s"] for r in rows if r["variant"] == name.replace("-cgcompile", "-eager")), None)
+        parts = [f"{name} {row['tokens_per_s']:.0f} tok/s ({row['batch']} rows in flight, micro-batch "
+                 f"{row['micro_batch']})"]
+        if eager:
+            parts.append(f"over its eager twin {row['tokens_per_s'] / eager:.2f}x")
+        if best:
+            parts.append(f"over one GPU at its best batch ({best['batch']}: {best['tokens_per_s']:.0f} tok/s) "
+                         f"{row['tokens_per_s'] / best['tokens_per_s']:.2f}x (target >= 1.6 for pp2)")
+        print(f"{model}: " + "; ".join(parts))
 
 if __name__ == "__main__":
     main()

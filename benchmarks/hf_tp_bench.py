@@ -16,7 +16,8 @@ between). Rank 0 then loads the whole model alone (`device_map`) for the one-GPU
 Method: per variant, one untimed greedy run (compiles and captures), then --repeats timed
 runs; a run is the prompt, then --tokens decode steps; its ms per token is the wall time of
 the decode steps (device idle before, synchronised after) over their count; the median run
-is reported. The StaticCache of a variant is made once and reset between runs.
+is reported, with the host ms per forward call (the time a call takes to return: near the
+ms per token, the host is the bound) and the compiled variants' full-graph share of calls. The StaticCache of a variant is made once and reset between runs.
 --check compares the greedy tokens of every compiled variant with TP eager's and with the
 one-GPU eager model's ("tokens match: True"), meant for fp32 (--shape small/tiny).
 
@@ -105,30 +106,36 @@ def _save(auto, cfg, dtype, device, path):
 
 
 @torch.no_grad()
-def greedy(forward, cache, prompt, tokens: int, device) -> tuple[torch.Tensor, float]:
-    """([1, tokens] greedy tokens, ms per decode step) from a reset `cache`."""
+def greedy(forward, cache, prompt, tokens: int, device) -> tuple[torch.Tensor, float, float]:
+    """([1, tokens] greedy tokens, ms per decode step, host ms per forward call) from a reset
+    `cache`. A call returns once its work is queued (CUDA graphs and kernels run
+    asynchronously), so the host ms is the Python of the call: when it nears the ms per
+    step, the host sets the pace, not the GPUs."""
     cache.reset()
     logits = forward(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1].argmax(-1, keepdim=True)
-    out = [token]
+    out, host_s = [token], 0.0
     harness.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(tokens - 1):
+        called = time.perf_counter()
         logits = forward(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        host_s += time.perf_counter() - called
         token = logits[:, -1].argmax(-1, keepdim=True)
         out.append(token)
     harness.synchronize(device)
-    return torch.cat(out, dim=1), (time.perf_counter() - t0) * 1e3 / max(tokens - 1, 1)
+    steps = max(tokens - 1, 1)
+    return torch.cat(out, dim=1), (time.perf_counter() - t0) * 1e3 / steps, host_s * 1e3 / steps
 
 
-def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float]:
-    """(tokens, median ms per token) over --repeats runs after one untimed run."""
+def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float, float]:
+    """(tokens, median ms per token, median host ms per call) over --repeats runs after one untimed run."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens)
     greedy(forward, cache, prompt, args.tokens, device)
     runs = [greedy(forward, cache, prompt, args.tokens, device) for _ in range(args.repeats)]
-    return runs[0][0], statistics.median(ms for _, ms in runs)
+    return runs[0][0], statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
 
 
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
@@ -139,8 +146,11 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local"))
         model.forward = torch.compile(eager_forward, backend=backend)
-        tokens, ms = measure(model.forward, model, prompt, args, device)
-        report(f"{prefix}-cgcompile", all_reduce, ms, tokens, graphs_captured=backend.stats.graphs_captured)
+        tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
+        stats = backend.stats
+        report(f"{prefix}-cgcompile", all_reduce, ms, tokens, host_ms_per_call=round(host_ms, 4),
+               graphs_captured=stats.graphs_captured,
+               full_graph_calls=f"{stats.full_graph_calls}/{stats.full_graph_calls + stats.piecewise_calls}")
         model.forward = eager_forward
     torch._dynamo.reset()
 
@@ -150,8 +160,8 @@ def tensor_parallel(path, dtype, prompt, args, device, report):
 
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype).eval()
     compiled_variants(model, prompt, args, device, report, args.prefix, args.all_reduce.split(","))
-    tokens, ms = measure(model.forward, model, prompt, args, device)
-    report(f"{args.prefix}-eager", "-", ms, tokens)
+    tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
+    report(f"{args.prefix}-eager", "-", ms, tokens, host_ms_per_call=round(host_ms, 4))
     del model
     harness.release_memory(device)
     dist.barrier()
@@ -165,22 +175,25 @@ def one_gpu(path, dtype, prompt, args, device, report):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device).eval()
         compiled_variants(model, prompt, args, device, report, "tp1", ["auto"])  # no all-reduce on one GPU
         if args.check:
-            tokens, ms = measure(model.forward, model, prompt, args, device)
-            report("tp1-eager", "-", ms, tokens)
+            tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
+            report("tp1-eager", "-", ms, tokens, host_ms_per_call=round(host_ms, 4))
         del model
         harness.release_memory(device)
     dist.barrier()
 
 
 def print_summary(rows, args):
-    def ms(variant, all_reduce):
-        return next((r["ms_per_token"] for r in rows if (r["variant"], r["all_reduce"]) == (variant, all_reduce)), None)
+    def ms(variant, all_reduce, key="ms_per_token"):
+        return next((r[key] for r in rows if (r["variant"], r["all_reduce"]) == (variant, all_reduce)), None)
 
     single = ms("tp1-cgcompile", "auto")
     for all_reduce in args.all_reduce.split(","):
         tp = ms(f"{args.prefix}-cgcompile", all_reduce)
         if tp and single:
-            print(f"{args.prefix}-cgcompile all_reduce={all_reduce}: {tp:.3f} ms/token; tp1-cgcompile {single:.3f}; "
+            host, single_host = ms(f"{args.prefix}-cgcompile", all_reduce, "host_ms_per_call"), \
+                ms("tp1-cgcompile", "auto", "host_ms_per_call")
+            print(f"{args.prefix}-cgcompile all_reduce={all_reduce}: {tp:.3f} ms/token (host {host:.3f} ms a call); "
+                  f"tp1-cgcompile {single:.3f} (host {single_host:.3f}); "
                   f"tp1/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
     eager = ms(f"{args.prefix}-eager", "-")
     if eager:

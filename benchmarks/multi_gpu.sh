@@ -15,6 +15,11 @@
 #   hf_check_n2    the same at a small shape in fp32: tokens match eager
 #   tp_8b_n2_nccl  the TP=2 step with Config.all_reduce="nccl"
 #   hf_tp_n4, tp_8b_n4_nccl   (N=4) the tp_plan benchmark at TP=4; the TP=4 step on NCCL
+#   pp_8b_n2       8B pipeline, 2 stages, each micro-batch the batch one GPU runs best (of
+#                  16..128), against that GPU alone
+#   tppp_8b_n4     (N=4) the same pipeline with each stage tensor parallel over 2 GPUs
+# The TP steps time the piecewise default and the full graph with small-query attention
+# (--tp-variants full-sq), TP=N and TP=1 side by side.
 # BUDGET (seconds, default 540) bounds the whole run: each step runs under `timeout` of its
 # own limit or of what is left, and is skipped with less than 45 s left, so one invocation
 # ends within about 9 minutes; cold compiles make the later steps of a full list fall off,
@@ -32,8 +37,9 @@ declare -A STATUS
 ORDER=()
 
 TORCHRUN=("$PY" -m torch.distributed.run --standalone)
-TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,tp1
+TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq,tp1
       --steps 20 --warmup 3)
+PP8B=(benchmarks/distributed_bench.py --models 8b --pp-batches 16,32,64,128 --steps 20 --warmup 3)
 HF=(benchmarks/hf_tp_bench.py --shape 8b --layers 8 --tokens 32 --repeats 3)
 
 run() {  # run NAME LIMIT COMMAND...: under min(LIMIT, budget left) seconds, output to $OUT/NAME.log
@@ -63,7 +69,13 @@ if ((N >= 4)); then
   step tp_8b_n4_auto && run tp_8b_n4_auto 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --json "$OUT/tp_8b_n4_auto.json"
   step tp_70b_n4 && run tp_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
-      --models 70b --batches 1,8 --parts tp --tp-variants cgcompile --steps 20 --warmup 3 --json "$OUT/tp_70b_n4.json"
+      --models 70b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq --steps 20 --warmup 3 \
+      --json "$OUT/tp_70b_n4.json"
+fi
+step pp_8b_n2 && run pp_8b_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${PP8B[@]}" --parts pp --json "$OUT/pp_8b_n2.json"
+if ((N >= 4)); then
+  step tppp_8b_n4 && run tppp_8b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 "${PP8B[@]}" --parts tppp --tp 2 \
+      --json "$OUT/tppp_8b_n4.json"
 fi
 step hf_tp_n2 && run hf_tp_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --json "$OUT/hf_tp_n2.json"
 step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
@@ -87,6 +99,7 @@ for name in "${ORDER[@]}"; do
     tests) grep -h "passed\|failed" "$log" | tail -n 1 ;;
     all_reduce) sed -n '/^group choice/,$p' "$log" | head -n 12 ;;
     tp_*) grep -h "batch\|device_copy_gbs" "$log" | grep -v '^{"model' | tail -n 8 ;;
+    pp_*|tppp_*) grep -h "tok/s" "$log" | tail -n 4 ;;
     hf_*) grep -h "ms/token\|tokens match\|all-reduce \|saved" "$log" | tail -n 9 ;;
   esac
 done

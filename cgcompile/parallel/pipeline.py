@@ -100,6 +100,9 @@ class PipelineStage:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.prev, self.next = (self.rank - 1) % self.world, (self.rank + 1) % self.world
+        # P2P ops name peers by global rank: the group's own ranks only match on the default group.
+        self._prev_global = dist.get_global_rank(self.group, self.prev)
+        self._next_global = dist.get_global_rank(self.group, self.next)
         self.device = torch.device(device)
         self.receives, self.sends = _checked_specs("receives", receives), _checked_specs("sends", sends)
         expect(isinstance(max_rows, int) and max_rows > 0, "PipelineStage: max_rows", "a positive int", max_rows)
@@ -136,7 +139,9 @@ class PipelineStage:
         dist.all_gather_object(everyone, (self.receives, self.sends), group=self.group)
         _check_ring(everyone, self.rank)
         ranks = dist.get_process_group_ranks(self.group)
-        self._header_group = dist.new_group(ranks, backend="gloo")
+        # Only this group's ranks call here: with pipelines over sub-groups (tensor parallel
+        # inside each stage) the other ranks make their own header groups at the same time.
+        self._header_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         self._exchange_payload(self._zeros(self.sends, 1), 1 if self.receives else None)  # P2P set-up
 
     # -- every step ------------------------------------------------------------------------
@@ -203,10 +208,10 @@ class PipelineStage:
         if outputs is not None:
             rows_out = next(iter(outputs.values())).shape[0]
             header = torch.tensor([_MAGIC, rows_out, spec_digest(self.sends), self.rank], dtype=torch.int64)
-            ops.append(dist.P2POp(dist.isend, header, self.next, self._header_group))
+            ops.append(dist.P2POp(dist.isend, header, self._next_global, self._header_group))
         if rows is not None:
             incoming = torch.zeros(4, dtype=torch.int64)
-            ops.append(dist.P2POp(dist.irecv, incoming, self.prev, self._header_group))
+            ops.append(dist.P2POp(dist.irecv, incoming, self._prev_global, self._header_group))
         _wait_all(ops)
         return incoming.tolist() if incoming is not None else None
 
@@ -227,10 +232,10 @@ class PipelineStage:
         """One batched P2P call; the current stream then waits for all of it."""
         ops, received = [], None
         for name in sorted(self.sends) if outputs is not None else ():
-            ops.append(dist.P2POp(dist.isend, outputs[name].contiguous(), self.next, self.group))
+            ops.append(dist.P2POp(dist.isend, outputs[name].contiguous(), self._next_global, self.group))
         if rows is not None:
             received = {name: buffer[:rows] for name, buffer in self.buffers.items()}
-            ops += [dist.P2POp(dist.irecv, received[name], self.prev, self.group) for name in sorted(received)]
+            ops += [dist.P2POp(dist.irecv, received[name], self._prev_global, self.group) for name in sorted(received)]
         _wait_all(ops)
         return received
 

@@ -46,7 +46,9 @@ class TensorParallelLayer(nn.Module):
         cache = layer.v_cache[:, kv_heads * part: kv_heads * (part + 1)]
         self.register_buffer("v_cache", cache.clone(), persistent=False)
 
-    def forward(self, x, start):  # x: [T, hidden]; start: host int, or a [1] device position
+    def forward(self, x, start, row0: int = 0):
+        """x: [T, hidden]; start: host int, or a [1] device position; the T sequences own
+        cache rows row0..row0+T (a pipeline stage's micro-batch; host start only)."""
         t, d = x.shape[0], self.head_dim
         q, k, v = F.linear(self.attn_norm(x), self.qkv).split(
             [self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
@@ -54,7 +56,8 @@ class TensorParallelLayer(nn.Module):
         if isinstance(start, torch.Tensor):  # every shape static: a full CUDA graph may hold it
             attn = static_attention(q, k, v, self.k_cache, self.v_cache, start)
         else:
-            attn = torch.ops.cgbench.decode_attention(q, k, v, self.k_cache, self.v_cache, start)
+            k_cache, v_cache = (self.k_cache, self.v_cache) if row0 == 0 else (self.k_cache[row0:], self.v_cache[row0:])
+            attn = torch.ops.cgbench.decode_attention(q, k, v, k_cache, v_cache, start)
         x = x + funcol.all_reduce(F.linear(attn.reshape(t, -1), self.o_proj), "sum", self.group_name)
         gate, up = F.linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
         return x + funcol.all_reduce(F.linear(F.silu(gate) * up, self.down), "sum", self.group_name)
@@ -82,25 +85,53 @@ class TensorParallelDecoder(nn.Module):
 class StageDecoder(nn.Module):
     """Layers `layers` of a Llama; the first stage embeds token ids, the last returns the
     greedy next tokens. forward(x, start, row0): x is ids [B] or hidden [B, hidden]; the
-    micro-batch's sequences own cache rows row0..row0+B."""
+    micro-batch's sequences own cache rows row0..row0+B.
 
-    def __init__(self, llama: Llama, layers: range):
+    tp_group: the stage's layers sharded over that group (TensorParallelLayer), for tensor
+    parallel inside each pipeline stage; every rank of the group holds the whole embedding
+    and head, so each computes the same tokens."""
+
+    def __init__(self, llama: Llama, layers: range, tp_group=None):
         super().__init__()
         self.first, self.last = layers.start == 0, layers.stop == len(llama.layers)
         self.embed = llama.embed if self.first else None
-        self.layers = nn.ModuleList(llama.layers[i] for i in layers)
+        if tp_group is None:
+            self.layers = nn.ModuleList(llama.layers[i] for i in layers)
+        else:
+            part, parts = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+            self.layers = nn.ModuleList(TensorParallelLayer(llama.layers[i], part, parts, tp_group.group_name)
+                                        for i in layers)
         self.norm, self.lm_head = (llama.norm, llama.lm_head) if self.last else (None, None)
 
     def forward(self, x, start: int, row0: int):
         if self.first:
             x = self.embed(x)
         for layer in self.layers:
+            if isinstance(layer, TensorParallelLayer):
+                x = layer(x, start, row0)
+                continue
             q, k, v = layer.qkv_heads(x)
             attn = torch.ops.cgbench.decode_attention(q, k, v, layer.k_cache[row0:], layer.v_cache[row0:], start)
             x = layer.finish(x, attn)
         if self.last:
             return self.lm_head(self.norm(x)).argmax(-1)  # [B] next tokens
         return x
+
+
+def stage_groups(tp: int, device):
+    """(pipeline group, tensor-parallel group or None) of this rank when every pipeline stage
+    is `tp` ranks: a (stages, tp) device mesh, so a rank's pipeline group holds the same
+    tensor-parallel part of every stage and its tensor-parallel group the ranks of its stage.
+    A collective over every rank (each makes every group)."""
+    if tp == 1:
+        return dist.group.WORLD, None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"stage_groups: expected a world size divisible by tp={tp}, got {world}")
+    mesh = init_device_mesh(torch.device(device).type, (world // tp, tp), mesh_dim_names=("pp", "tp"))
+    return mesh["pp"].get_group(), mesh["tp"].get_group()
 
 
 @torch.no_grad()

@@ -33,6 +33,14 @@ def test_example_tokens_equal_single_process_eager(example):
     assert "tokens match: True" in out.splitlines(), out
 
 
+def test_pipeline_of_tensor_parallel_stages_on_four_gloo_ranks():
+    """2 stages x TP=2: the stages talk over sub-groups (ranks 0-2 and 1-3), whose P2P peers
+    are global ranks, and each stage's layers all-reduce over its own pair."""
+    out = torchrun(ROOT / "examples" / "pipeline_parallel.py", "--device", "cpu", "--tp", "2", "--tokens", "8",
+                   nproc=4, timeout=240)
+    assert "tokens match: True" in out.splitlines(), out
+
+
 def test_distributed_bench_runs_end_to_end_on_two_gloo_ranks():
     """The benchmark's smoke test (numbers on the CPU mean nothing): every variant reports."""
     out = torchrun(ROOT / "benchmarks" / "distributed_bench.py", "--device", "cpu", "--tiny")
@@ -41,9 +49,21 @@ def test_distributed_bench_runs_end_to_end_on_two_gloo_ranks():
     assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "tp2-cgcompile-full", "tp1-cgcompile-full",
                         "pp2-cgcompile", "pp2-eager", "single", "all-reduce"}, out
     assert all(json.loads(line)["us_per_all_reduce"] > 0 for line in rows if '"all-reduce"' in line)
-    assert "pp2-cgcompile/pp2-eager" in out
+    assert "pp2-cgcompile" in out and "over one GPU at its best batch" in out, out
+    singles = [json.loads(line) for line in rows if '"single"' in line]
+    assert [row["batch"] for row in singles] == [2, 4], out  # every --pp-batches batch, best one sets the micro-batch
+    pp = next(json.loads(line) for line in rows if '"pp2-cgcompile"' in line)
+    best = max(singles, key=lambda row: row["tokens_per_s"])["batch"]
+    assert (pp["micro_batch"], pp["batch"]) == (best, 2 * best), out
     full = [json.loads(line) for line in rows if json.loads(line)["variant"].endswith("-full")]
     assert all(row["full_graph_calls"].split("/")[0] != "0" for row in full), out  # the full path ran
+
+
+def test_distributed_bench_tensor_parallel_stages_on_four_gloo_ranks():
+    out = torchrun(ROOT / "benchmarks" / "distributed_bench.py", "--device", "cpu", "--tiny", "--parts", "tppp",
+                   "--tp", "2", nproc=4, timeout=300)
+    variants = {json.loads(line)["variant"] for line in out.splitlines() if line.startswith("{")}
+    assert variants == {"single", "tp2pp2-cgcompile", "tp2pp2-eager"}, out
 
 
 def test_hf_tp_bench_tokens_equal_eager_on_two_gloo_ranks(tmp_path):
