@@ -48,9 +48,12 @@ _INT_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}
 
 
 def weak_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor that views `tensor`'s memory without keeping that memory alive."""
+    """A tensor that views `tensor`'s memory without keeping that memory alive.
+
+    A tensor off the GPU (graphs faked on CPU, `CaptureSession.graphs`) has no CUDA array
+    interface to alias: it is returned as it is."""
     size = tensor.element_size()
-    if tensor.numel() == 0 or size not in _INT_TYPESTR:
+    if tensor.numel() == 0 or size not in _INT_TYPESTR or tensor.device.type != "cuda":
         return tensor
     interface = {
         "shape": tuple(tensor.shape),
@@ -130,6 +133,46 @@ def end_capture(graph: torch.cuda.CUDAGraph) -> bool:
     return empty
 
 
+class CudaGraphs:
+    """How every session warms up and captures, and where graphs can run: with
+    `torch.cuda.CUDAGraph`, on the session's capture stream.
+
+    The one seam for running graph pieces without a GPU: `CaptureSession.graphs` holds an
+    instance, and `cgcompile.testing.fake_graphs` swaps in graphs that rerun the captured
+    function on CPU, so the pieces' logic (static buffers, padding, replay order) is tested
+    there as it runs on the GPU."""
+
+    def runs_on(self, device: torch.device) -> bool:
+        """Whether tensors on `device` can be captured (the analysis's default for
+        `Config.cudagraphs=None`)."""
+        return device.type == "cuda"
+
+    def warm_up(self, session: "CaptureSession", fn: Callable, *args, **kwargs) -> Any:
+        with session.on_capture_stream():
+            return fn(*args, **kwargs)
+
+    def capture(self, session: "CaptureSession", name: str, fn: Callable, make_args: Callable[[], tuple]):
+        """`CaptureSession.capture`, in `session`."""
+        with session.on_capture_stream(), gc_paused():
+            graph = session.begin_graph()
+            try:
+                args = make_args()
+                refuse_host_tensors(name, "input", args)
+                outputs = fn(*args)
+                refuse_host_tensors(name, "output", outputs)
+            except HostTensorError:
+                session.abandon(graph)
+                raise
+            except Exception as e:
+                session.abandon(graph)
+                raise CaptureError(f"capturing {name} failed: {e}") from e
+            if session.end_graph(graph, name):
+                log.info("cgcompile: %s launches no GPU work (views and host-side values only); "
+                         "its replays launch nothing", name)
+                graph = EmptyGraph(graph)
+        return graph, args, outputs
+
+
 # Every session alive in this process, for `release_all_graphs`.
 _LIVE_SESSIONS: "weakref.WeakSet[CaptureSession]" = weakref.WeakSet()
 
@@ -156,6 +199,8 @@ class CaptureSession:
         pipeline stage's): a graph piece captured with one as an input reads it in place
         (`buffers.LiveBuffers`).
     """
+
+    graphs = CudaGraphs()  # how graphs are captured, and on which devices: the seam fake graphs replace
 
     def __init__(self, capture_sizes: tuple[int, ...], *, pool: GraphPool | None = None,
                  error_mode: str = "global", check_addresses: bool = False):
@@ -264,8 +309,7 @@ class CaptureSession:
     def warm_up(self, fn: Callable, *args, **kwargs) -> Any:
         """Run once on the capture stream, so lazy initialisation (cuBLAS handles for that
         stream, autotuning, allocator warm-up) happens before and outside capture."""
-        with self.on_capture_stream():
-            return fn(*args, **kwargs)
+        return self.graphs.warm_up(self, fn, *args, **kwargs)
 
     def begin_graph(self) -> torch.cuda.CUDAGraph:
         """Start capturing a new graph into the pool, on the capture stream (already entered).
@@ -315,24 +359,7 @@ class CaptureSession:
         A capture that recorded no GPU work returns an `EmptyGraph`, whose replay is free.
         A CPU tensor among the inputs or outputs raises `HostTensorError` (see there).
         """
-        with self.on_capture_stream(), gc_paused():
-            graph = self.begin_graph()
-            try:
-                args = make_args()
-                refuse_host_tensors(name, "input", args)
-                outputs = fn(*args)
-                refuse_host_tensors(name, "output", outputs)
-            except HostTensorError:
-                self.abandon(graph)
-                raise
-            except Exception as e:
-                self.abandon(graph)
-                raise CaptureError(f"capturing {name} failed: {e}") from e
-            if self.end_graph(graph, name):
-                log.info("cgcompile: %s launches no GPU work (views and host-side values only); "
-                         "its replays launch nothing", name)
-                graph = EmptyGraph(graph)
-        return graph, args, outputs
+        return self.graphs.capture(self, name, fn, make_args)
 
     def add_plans(self, plans) -> None:
         """Have `plans` (a `replay_plan.ReplayPlans`) forgotten at every `graphs_changed`."""

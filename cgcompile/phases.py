@@ -161,8 +161,9 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> G
     except LookupError as e:
         raise ConfigError(f"capture_input: {e}") from e
     device = _graph_device(gm)
-    cudagraphs = device.type == "cuda" if config.graphs.cudagraphs is None else config.graphs.cudagraphs
-    if cudagraphs and device.type != "cuda":
+    on_device = CaptureSession.graphs.runs_on(device)
+    cudagraphs = on_device if config.graphs.cudagraphs is None else config.graphs.cudagraphs
+    if cudagraphs and not on_device:
         raise ConfigError(
             f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
             f"move the model and inputs to CUDA or leave cudagraphs=None"

@@ -33,8 +33,8 @@ def one_thread():
 
 @pytest.fixture
 def exact_fp32_matmuls():
-    """No TF32: eager and CUDA graph replays then run the same fp32 kernels and round alike."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
+    """No TF32 for the test (`cgcompile.testing.numerics.exact_fp32_matmuls`)."""
+    from cgcompile.testing import numerics  # on use: the conftest itself loads only torch and pytest
+
+    with numerics.exact_fp32_matmuls():
+        yield

@@ -11,8 +11,7 @@ import torch
 
 import cgcompile
 from cgcompile.testing.models import SILLY_OP, ToyLlama
-
-from helpers import capture_error_in_own_process, compiled_toy_llama, dynamic_ids, private_pools
+from cgcompile.testing.gpu import capture_error_in_own_process, compiled_toy_llama, dynamic_ids, private_pools
 
 BY_NAME = textwrap.dedent(
     """
@@ -95,9 +94,9 @@ def _capturable(backend):
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("n", [3, 5, 37, 8, 2])
 def test_eager_pieces_equal_eager_at_padded_sizes(n):
-    torch.backends.cuda.matmul.allow_tf32 = False
     model, backend, compiled = _compiled()
     for _ in range(3):  # capture, then replay twice
         ids = dynamic_ids(n)

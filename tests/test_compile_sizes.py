@@ -8,8 +8,7 @@ import cgcompile
 import cgcompile.compiler
 from cgcompile.compiler import SizeSpecialised
 from cgcompile.testing.models import SILLY_OP, ToyLlama
-
-from helpers import compiled_toy_llama, dynamic_ids
+from cgcompile.testing.gpu import compiled_toy_llama, dynamic_ids
 
 
 def _compile(compiler: str, **fields):
@@ -132,9 +131,9 @@ class _Counting:
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_graphs_of_a_compile_size_capture_the_specialised_code(compiler):
-    torch.backends.cuda.matmul.allow_tf32 = False
     model, backend, compiled = _compiled(compiler, compile_sizes=(4,))
     for n in (3, 3, 4, 7, 7, 3):  # size 4: specialised; size 8: general; each captured once
         ids = dynamic_ids(n)

@@ -14,8 +14,7 @@ from torch._dynamo.utils import counters
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 import cgcompile
-import helpers
-from cgcompile.testing import fuzz
+from cgcompile.testing import fake_graphs, fuzz
 from cgcompile.compat import fresh_inductor_cache
 from cgcompile.testing.grammar import LAYOUTS, MODES, N, RETURNS, Program
 
@@ -386,13 +385,13 @@ GPU_FOUND_THROUGH_GRAPHS = (
 
 @pytest.mark.parametrize("seed, setup", GPU_FOUND_THROUGH_GRAPHS, ids=[str(s) for s, _ in GPU_FOUND_THROUGH_GRAPHS])
 def test_cases_the_gpu_found_agree_with_eager_through_fake_graphs(monkeypatch, seed, setup):
-    """Through fake graphs (`helpers.fake_cuda_graphs`), whose captured pieces read static
+    """Through fake graphs (`fake_graphs.fake_cuda_graphs`), whose captured pieces read static
     copies of their inputs as real ones do; the CPU's padded pieces read the inputs."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     program, sizes = setup.case(seed)
     outcome = fuzz.run_case(program, sizes, setup)
     assert outcome.status == "ok", (outcome, fuzz.reproducer(program, sizes, setup, outcome))
-    assert helpers.FakeGraph.captures > 0  # the graphs ran, or this would check nothing
+    assert fake_graphs.FakeGraph.captures > 0  # the graphs ran, or this would check nothing
 
 
 def _compiled_matches_eager_at_a_padded_size(make: Callable[[], Callable]) -> None:

@@ -13,8 +13,7 @@ import torch
 
 import cgcompile
 from cgcompile import passes
-
-from helpers import FIXED_NEW_TOKENS, fixed_length_generate, tiny_llama
+from cgcompile.testing.hf_models import FIXED_NEW_TOKENS, fixed_length_generate, tiny_llama
 
 
 def check_decode_graph_calls(backend) -> None:

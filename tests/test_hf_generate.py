@@ -36,14 +36,13 @@ import torch
 from transformers import DynamicCache
 
 import cgcompile
-
-from helpers import (
+from cgcompile.testing.fake_graphs import fake_cuda_graphs
+from cgcompile.testing.hf_models import (
     ARCHS,
     PROMPT_LEN,
     VOCAB,
     compile_and_match_eager,
     compile_forward,
-    fake_cuda_graphs,
     generate,
     prompt,
     tiny_llama,

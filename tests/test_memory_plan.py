@@ -15,8 +15,8 @@ from cgcompile import ArgumentError, Config, MemoryPlan, SizePlan
 from cgcompile.memory_plan import fitting_sizes, format_plan, read_plans, write_plan
 from cgcompile.buffers import PaddingTable
 from cgcompile.testing.models import SILLY_OP, ToyLlama
-
-from helpers import private_pools, tiny_model
+from cgcompile.testing.gpu import private_pools
+from cgcompile.testing.hf_models import tiny_model
 
 SIZES = (2, 4, 8)
 

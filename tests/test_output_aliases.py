@@ -15,8 +15,7 @@ import cgcompile
 from cgcompile.passes import example_value, values_sharing_memory
 from cgcompile.runtime import copy_with_strides
 from cgcompile.testing.models import SILLY_OP
-
-from helpers import traced
+from cgcompile.testing.fx import traced
 
 
 class KeepsAWindow(nn.Module):

@@ -1,13 +1,13 @@
 """Recovery from a failed capture: the piece is split at the node a graph cannot hold
 (GPU; and on CPU through a fake capture that refuses the same op)."""
 
-import helpers
 import pytest
 import torch
 from torch.fx import Interpreter
 
 import cgcompile
 from cgcompile import recovery
+from cgcompile.testing import fake_graphs
 
 LIB = torch.library.Library("cgcompile_recovery_test", "DEF")
 LIB.define("reads_on_host(Tensor x) -> Tensor")
@@ -24,7 +24,7 @@ LIB.impl("reads_on_host", _reads_on_host, "CUDA")
 
 
 def _reads_on_host_cpu(x):
-    if helpers.FakeGraph.capturing:
+    if fake_graphs.FakeGraph.capturing:
         raise RuntimeError("operation not permitted when stream is capturing")
     return _reads_on_host(x)
 
@@ -114,13 +114,13 @@ def test_pieces_after_a_recovered_cut_get_inputs_in_their_traced_layout():
 
 
 def _fake_capture_alone(finder, node):
-    helpers.FakeGraph.capturing = True
+    fake_graphs.FakeGraph.capturing = True
     try:
         Interpreter.run_node(finder, node)
     except RuntimeError as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        helpers.FakeGraph.capturing = False
+        fake_graphs.FakeGraph.capturing = False
     return None
 
 
@@ -129,7 +129,7 @@ def test_recovery_on_cpu_splits_the_piece_and_later_graphs_split_without_searchi
     # itself is faked, and the analysis says the graph's pieces are replayed from graphs.
     global W
     W = torch.randn(16, 16)
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     monkeypatch.setattr(recovery._NodeByNodeCapture, "_capture_alone", _fake_capture_alone)
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(1, 2, 4, 8)))
     first, second = torch.compile(_model, backend=backend), torch.compile(_another_model, backend=backend)
@@ -148,4 +148,4 @@ def test_recovery_on_cpu_splits_the_piece_and_later_graphs_split_without_searchi
     assert any("failed CUDA graph capture in an earlier graph" in (p.reason or "") for p in later)
     assert caplog.text.count("cannot be captured in a CUDA graph") == 1  # one warning per op
     assert backend.stats.capturable_pieces == sum(p.capturable for p in backend.pieces) == 4
-    assert helpers.FakeGraph.replays > 0 and backend.graphs_held() > 0
+    assert fake_graphs.FakeGraph.replays > 0 and backend.graphs_held() > 0

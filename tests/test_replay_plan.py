@@ -1,6 +1,6 @@
 """Replay plans (`cgcompile.replay_plan`): a straight-line replay per call size.
 
-On the CPU through fake graphs (`helpers.fake_cuda_graphs`): a fake replay recomputes
+On the CPU through fake graphs (`fake_graphs.fake_cuda_graphs`): a fake replay recomputes
 the piece from its static input buffers into its static outputs, so a plan that left a
 buffer unfilled returns stale results, as a real graph would. The GPU runs them in the
 cuda tests, the zoo and the fuzzer (benchmarks/gpu_verify.sh)."""
@@ -11,14 +11,13 @@ import math
 import operator
 import re
 
-import helpers
 import pytest
 import torch
 
 import cgcompile
 from cgcompile import replay_plan
 from cgcompile.replay_plan import ReplayPlans, build_plan
-from cgcompile.testing import fuzz
+from cgcompile.testing import fake_graphs, fuzz, gpu
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 # Padding changes the row count of each matmul, and a CPU BLAS may round a row differently at
@@ -52,7 +51,7 @@ def _ids(n, seed):
 
 
 def test_calls_after_capture_replay_through_plans_and_match_eager(monkeypatch):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     model, backend, compiled = _toy()
     sizes = (3, 5, 1, 8, 3, 5, 1, 8, 3, 7)
     with torch.no_grad():
@@ -60,11 +59,11 @@ def test_calls_after_capture_replay_through_plans_and_match_eager(monkeypatch):
             torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), **CLOSE)
     plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
     assert plans and sum(p.made for p in plans) >= 4  # n=3, 5, 8, 7 at least (n=1: Dynamo's static graph)
-    assert helpers.FakeGraph.replays > helpers.FakeGraph.captures > 0
+    assert fake_graphs.FakeGraph.replays > fake_graphs.FakeGraph.captures > 0
 
 
 def test_a_plan_launches_every_graph_and_passes_no_parameter(monkeypatch):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     model, backend, compiled, runtime = _planned(3, n_layers=3)
     plan = runtime.plans.get(3, 4)
     graph_pieces = sum(p.capturable for p in backend.pieces if p.graph_index == backend.runtimes.index(runtime))
@@ -75,20 +74,20 @@ def test_a_plan_launches_every_graph_and_passes_no_parameter(monkeypatch):
 
 
 def test_dropped_graphs_drop_the_plans_and_calls_capture_again(monkeypatch):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     model, backend, compiled, _ = _planned(5)
-    captured = helpers.FakeGraph.captures
+    captured = fake_graphs.FakeGraph.captures
     with torch.no_grad():
         for runtime in backend.runtimes:
             runtime.drop_graphs()
         for seed in range(3, 6):
             torch.testing.assert_close(compiled(_ids(5, seed)), model(_ids(5, seed)), **CLOSE)
-    assert helpers.FakeGraph.captures == 2 * captured > 0
+    assert fake_graphs.FakeGraph.captures == 2 * captured > 0
 
 
 def test_stale_input_buffers_show_as_a_mismatch(monkeypatch):
     """The fake graphs see an unfilled buffer: a plan that skips an eager piece's copy fails."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     model, backend, compiled, runtime = _planned(4, calls=2)
     with torch.no_grad():
         good = runtime.plans.get(4, 4)
@@ -103,7 +102,7 @@ def test_stale_input_buffers_show_as_a_mismatch(monkeypatch):
 def test_fuzzed_walks_with_state_match_eager_through_plans(monkeypatch):
     """Random programs over a walk of sizes, walked twice: the second pass replays
     through plans where the program has graphs."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     served = []
     get = ReplayPlans.get
 
@@ -125,10 +124,10 @@ def test_fuzzed_walks_with_state_match_eager_through_plans(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_on_the_gpu_plans_replay_and_match_eager_over_a_walk_of_sizes(compiler):
-    model, backend, compiled = helpers.compiled_toy_llama(compiler, (1, 2, 4, 8))
+    model, backend, compiled = gpu.compiled_toy_llama(compiler, (1, 2, 4, 8))
     with torch.no_grad():
         for n in (3, 5, 1, 8, 3, 5, 1, 8, 3, 7, 3):
-            ids = helpers.dynamic_ids(n)
+            ids = gpu.dynamic_ids(n)
             torch.testing.assert_close(compiled(ids), model(ids))
     plans = [rt.plans for rt in backend.runtimes if rt.plans is not None]
     assert plans and sum(p.made for p in plans) >= 4
@@ -160,7 +159,7 @@ def test_a_split_op_that_writes_into_a_graph_output_needs_no_copy(monkeypatch):
     buffer the graph before it made leaves the value where the next graph reads it."""
     from cgcompile.testing.models import ACCUMULATE_OP
 
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = OutStyleAttention()
@@ -187,7 +186,7 @@ def _accumulate_into(x, acc):  # x, acc: [n, 8]; returns nothing: its one effect
 def test_a_graph_that_returns_nothing_replays_from_a_plan_on_later_calls(monkeypatch):
     from cgcompile.testing.models import ACCUMULATE_OP
 
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     torch._dynamo.reset()
     config = cgcompile.Config(splitting_ops=(ACCUMULATE_OP,), compiler="eager", capture_sizes=(1, 2, 4, 8))
     backend = cgcompile.Backend(config)
@@ -282,7 +281,7 @@ def test_call_method_and_call_module_keywords_reach_the_call():
 
 
 def test_a_plan_that_cannot_be_made_warns_once_and_the_stitch_runs(monkeypatch, caplog):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     tries = []
 
     def broken(*args):
@@ -299,13 +298,13 @@ def test_a_plan_that_cannot_be_made_warns_once_and_the_stitch_runs(monkeypatch, 
     assert "graph0" in warnings[0].getMessage() and "cannot write this" in warnings[0].getMessage()
     assert sorted(tries) == [3, 5]  # once per (n, size): the failure is kept, not retried every call
     assert sum(rt.plans.made for rt in backend.runtimes if rt.plans is not None) == 0
-    assert helpers.FakeGraph.replays > 0  # the stitch replays the graphs itself
+    assert fake_graphs.FakeGraph.replays > 0  # the stitch replays the graphs itself
 
 
 def test_fuzzed_programs_that_only_write_into_an_input_match_eager_through_plans(monkeypatch):
     """The grammar's programs that return nothing, or whose effect is a write into an
     input (the "sink" productions), walked twice: the second pass replays through plans."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     served = []
     get = ReplayPlans.get
 
@@ -328,7 +327,7 @@ def test_fuzzed_programs_that_only_write_into_an_input_match_eager_through_plans
 def test_the_fuzzer_reports_calls_that_ran_the_stitch_for_want_of_a_plan(monkeypatch):
     """The fallback keeps results right, so a differential fuzzer would not see a plan that
     failed to build: it reports one as an error."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
 
     def broken(*args):
         raise RuntimeError("cannot write this")

@@ -6,14 +6,13 @@ memory that the next copy or replay overwrites. So a graph compiled with gradien
 enabled runs its pieces compiled but uncaptured (`phases.without_graphs_for_autograd`),
 and inference (no_grad, inference_mode, frozen parameters) still captures.
 
-On the CPU through fake graphs (`helpers.fake_cuda_graphs`): the capture path runs as on
+On the CPU through fake graphs (`fake_graphs.fake_cuda_graphs`): the capture path runs as on
 the GPU, and a fake capture of a piece whose inputs need gradients fails.
 """
 
 import copy
 import logging
 
-import helpers
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +20,7 @@ from torch import nn
 
 import cgcompile
 from cgcompile.phases import NEEDS_GRADIENTS
+from cgcompile.testing import fake_graphs
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -79,11 +79,11 @@ def _assert_same_step(eager, compiled, batch):
 
 
 def test_training_matches_eager_without_capturing(monkeypatch):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, compiled, backend = _models()
     for seed in (1, 2):  # the second step replays nothing the first one left
         _assert_same_step(eager, compiled, _batch(seed))
-    assert helpers.FakeGraph.captures == 0
+    assert fake_graphs.FakeGraph.captures == 0
     assert backend.stats.uncaptured_graphs == {NEEDS_GRADIENTS: backend.stats.graphs_seen}
     graph_pieces = [p for p in backend.pieces if p.capturable]
     assert graph_pieces and all(p.uncaptured == NEEDS_GRADIENTS for p in graph_pieces)
@@ -92,7 +92,7 @@ def test_training_matches_eager_without_capturing(monkeypatch):
 def test_the_dump_says_why_a_training_graph_is_not_captured(monkeypatch):
     from cgcompile import dump
 
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, compiled, backend = _models()
     _assert_same_step(eager, compiled, _batch(1))
     summary = dump.summarize(0, backend.pieces)
@@ -103,21 +103,21 @@ def test_the_dump_says_why_a_training_graph_is_not_captured(monkeypatch):
 
 def test_training_after_inference_runs_its_own_graph(monkeypatch):
     """Dynamo guards the grad mode: the no_grad graph captures, the training one does not."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, compiled, backend = _models()
     with torch.no_grad():
         for seed in (3, 4):
             torch.testing.assert_close(compiled(*_batch(seed)), eager(*_batch(seed)), **TIGHT)
-    captured = helpers.FakeGraph.captures
+    captured = fake_graphs.FakeGraph.captures
     assert captured > 0
     _assert_same_step(eager, compiled, _batch(5))
-    assert helpers.FakeGraph.captures == captured
+    assert fake_graphs.FakeGraph.captures == captured
     assert backend.stats.graphs_seen == 2 and sum(backend.stats.uncaptured_graphs.values()) == 1
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen parameters"])
 def test_inference_still_captures(mode, monkeypatch):
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, compiled, backend = _models()
     if mode == "frozen parameters":
         compiled.requires_grad_(False)
@@ -125,18 +125,18 @@ def test_inference_still_captures(mode, monkeypatch):
     with context():
         for seed in (6, 7, 8):
             torch.testing.assert_close(compiled(*_batch(seed)), eager(*_batch(seed)), **TIGHT)
-    assert helpers.FakeGraph.captures > 0 and helpers.FakeGraph.replays > 0
+    assert fake_graphs.FakeGraph.captures > 0 and fake_graphs.FakeGraph.replays > 0
     assert backend.stats.uncaptured_graphs == {}
     assert all(p.uncaptured is None for p in backend.pieces)
 
 
 def test_tiny_llama_string_backend_trains_like_eager(monkeypatch):
     """transformers' test_torch_compile_for_training, on CPU with fake graphs."""
-    helpers.fake_cuda_graphs(monkeypatch)
+    fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, model = _tiny_llama("cpu")
     compiled = torch.compile(model, backend="cgcompile", options={"compiler": "eager"})
     _train_two_steps(eager, model, compiled, "cpu", TIGHT)
-    assert helpers.FakeGraph.captures == 0
+    assert fake_graphs.FakeGraph.captures == 0
     stats = cgcompile.backend_of(compiled).stats
     assert stats.uncaptured_graphs == {NEEDS_GRADIENTS: stats.graphs_seen}
 

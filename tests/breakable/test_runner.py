@@ -23,8 +23,8 @@ from cgcompile.breakable.record import EagerStep, Recorder
 from cgcompile.breakable.signature import flatten_call
 from cgcompile.capture import Mode
 from cgcompile.testing.models import ACCUMULATE_OP, SILLY_OP, ToyLlama
-
-from helpers import capture_error_in_own_process, private_pools, tiny_llama
+from cgcompile.testing.gpu import capture_error_in_own_process, private_pools
+from cgcompile.testing.hf_models import tiny_llama
 
 SIZES = (2, 4, 8, 16)
 
@@ -575,10 +575,10 @@ def _toy():
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("n", [2, 3, 5, 16])
 def test_toy_llama_equals_eager_at_padded_sizes(n, monkeypatch):
     monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = _toy()
     manager = cgcompile.GraphManager(model, _config())
     for _ in range(3):
@@ -744,10 +744,10 @@ def test_clear_then_recapture():
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("how", ["parameter", "data"])
 def test_replaced_weights_are_never_replayed_stale_and_are_captured_again(how):
     # One runner: dropping its graphs empties the pool, so the recapture needs a fresh one.
-    torch.backends.cuda.matmul.allow_tf32 = False
     model = _toy()
     manager = cgcompile.GraphManager(model, _config())
     (runner,) = manager.breakable.runners
@@ -778,11 +778,11 @@ class BreakFirst(nn.Module):
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("tail", [True, False])
 def test_a_module_that_starts_with_a_break_captures_into_a_live_pool(tail):
     # The empty first segment's graph is dropped; with no other graph in the pool, torch
     # released the pool and the next segment's capture failed (use_count > 0).
-    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model = BreakFirst(tail).cuda()
     manager = cgcompile.GraphManager(model, _config(), boundary=None)
@@ -831,10 +831,10 @@ def test_eager_break_that_changes_its_result_structure_fails_loudly():
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing_on_cuda(monkeypatch):
     # Observed call, capturing call, replays: each must update the buffer exactly once.
     monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
-    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model, reference = RunningStat(16).cuda(), RunningStat(16).cuda()
     reference.load_state_dict(model.state_dict())
@@ -847,11 +847,11 @@ def test_a_buffer_a_segment_updates_changes_once_per_call_also_when_capturing_on
 
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures("exact_fp32_matmuls")
 @pytest.mark.parametrize("how, padding", WRITES, ids=WRITE_IDS)
 def test_a_write_into_an_input_or_buffer_lands_once_per_call_also_when_capturing_on_cuda(how, padding,
                                                                                          monkeypatch):
     monkeypatch.delenv("CGCOMPILE_USE_BREAKABLE", raising=False)
-    torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     model, reference = WritesIntoOut(how).cuda(), WritesIntoOut(how).cuda()
     reference.load_state_dict(model.state_dict())

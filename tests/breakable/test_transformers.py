@@ -22,8 +22,7 @@ import cgcompile
 from cgcompile.breakable.record import EagerStep
 from cgcompile.breakable.integrations import integration_for
 from cgcompile.testing.models import ToyLlama
-
-from helpers import ARCHS, tiny_model
+from cgcompile.testing.hf_models import ARCHS, tiny_model
 
 NEW_TOKENS = 8
 

@@ -6,8 +6,7 @@ import torch.nn.functional as F
 
 from cgcompile.passes import hoist_mask_conversion
 from cgcompile.passes.attention_mask import additive_attention_mask
-
-from helpers import traced
+from cgcompile.testing.fx import traced
 
 
 def attention_inputs(length: int, dtype=torch.float32):

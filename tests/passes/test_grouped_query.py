@@ -9,8 +9,7 @@ import torch.nn.functional as F
 import cgcompile
 from cgcompile.passes import fold_grouped_query_attention
 from cgcompile.passes.sdpa import grouped_query_attention
-
-from helpers import traced
+from cgcompile.testing.fx import traced
 
 KV_HEADS, GROUPS, HEAD_DIM, LENGTH = 2, 4, 16, 37
 

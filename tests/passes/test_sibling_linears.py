@@ -7,8 +7,7 @@ import torch
 
 import cgcompile
 from cgcompile.passes import fuse_sibling_linears
-
-from helpers import ARCHS, compile_and_match_eager, fixed_length_generate, tiny_model
+from cgcompile.testing.hf_models import ARCHS, compile_and_match_eager, fixed_length_generate, tiny_model
 
 
 @pytest.fixture(autouse=True)
