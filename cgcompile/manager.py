@@ -8,7 +8,7 @@ when both are used, capture into the manager's one pool.
 
 `install()` routes the model's own calls (`model(...)`, `model.generate(...)`) through the
 chosen path until `uninstall()`: the compiled path compiles `model.forward`; the breakable
-path installs its runners (`breakable_path`). For a framework's models the breakable path
+path installs its runners (`breakable.path`). For a framework's models the breakable path
 comes from its integration (`cgcompile.breakable.integrations`): transformers models get a runner
 per decoder layer, with the cache update and attention as eager steps.
 """

@@ -1,13 +1,13 @@
 """Breakable CUDA graphs: capture an eager module, broken at attention and other split ops.
 
 No Dynamo, no Inductor. A call runs the module once under a recorder
-(`breakable_record`): a dispatch mode that ends the current graph segment at every split
+(`breakable.record`): a dispatch mode that ends the current graph segment at every split
 op (the same default set as the backend, plus `Config.splitting_ops`), at every function
 marked `@eager_break` and at every integration hook (`run_as_eager_break`), runs it
 eagerly, and records the next segment into the same pool. Replay walks the recorded
 steps: segment, eager step, segment, ...
 
-Which calls replay which graph is the signature rule of `breakable_signature`: per size
+Which calls replay which graph is the signature rule of `breakable.signature`: per size
 (dim 0 of the first tensor input, exact; padded to a capture size only with
 `Config(padding=True)`, see `BreakableRunner`), one graph per call
 signature (the shapes of the tensors captured ops read, the Python values frozen at
@@ -170,7 +170,7 @@ class BreakableRunner:
     word that the module's rows never mix, in its split ops too (eager steps run at the
     padded size).
 
-    segments: "cuda_graphs", or "op_replay" (`breakable_segments.OpReplay`: the same
+    segments: "cuda_graphs", or "op_replay" (`breakable.segments.OpReplay`: the same
         bookkeeping on any device, segments re-run op by op; for tests and checking).
     group: a `BreakableGroup` shared with runners built together.
     live_types: objects of these types are passed live to eager steps (a cache).

@@ -1,6 +1,6 @@
 """What the segments of a breakable graph are recorded into: CUDA graphs, or a list of ops.
 
-The recorder (`breakable_record`) runs a module once and hands every op between two
+The recorder (`breakable.record`) runs a module once and hands every op between two
 eager steps to one of these. Each is used the same way: `begin()` a segment where the
 previous one ended, `record(...)` each op after it ran, `end(...)` it before the next eager
 step. `end` leaves the segment's results computed (so the eager step after it reads real
@@ -10,7 +10,7 @@ data: capture and run) and returns what replays it, or None for a segment withou
   CudaGraphSegments  each segment is a CUDA graph in the session's pool, replayed once
                      right after its capture (capture records kernels without running them)
   Observer           nothing is recorded: the ops just run. An observation learns a call's
-                     signature without capturing (see `breakable_signature`)
+                     signature without capturing (see `breakable.signature`)
   OpReplay           each segment is the list of ops it ran, re-run at replay on the same
                      tensors, their results copied into the recorded outputs: what a CUDA
                      graph does (fixed addresses, shapes and Python values frozen at

@@ -14,7 +14,7 @@ or frozen into the graph. So a call's *signature* at a given size is:
   - every other Python value (`use_cache=True`, a module, None): its value, frozen.
 
 Which tensors captured ops read is known only after running the module under the
-recorder (an *observation*, see `breakable_record`). The rule, per size:
+recorder (an *observation*, see `breakable.record`). The rule, per size:
 
   1. a call that fits a captured graph replays it;
   2. a call whose signature was observed, and that the previous call of this size also
