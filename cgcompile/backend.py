@@ -211,7 +211,7 @@ class Backend:
         else:
             require_profiling_device("plan_memory")
             plan = profile_plan(self, model, make_inputs, sizes, memory_budget, name)
-        write_plan(self.config.resolved_dump_dir(), plan)
+        write_plan(self._run_folder(), plan)
         return plan
 
     def profile_capture_memory(self, model, make_inputs: MakeInputs, sizes=None) -> "CaptureMemoryProfile":
@@ -265,15 +265,20 @@ class Backend:
         """Every runner that holds CUDA graphs: graph pieces and full graphs."""
         return [r for rt in self.runtimes for r in (*rt.runners, rt.full) if isinstance(r, (CudaGraphPiece, FullGraph))]
 
+    def _run_folder(self) -> str | None:
+        """The folder this Backend dumps its graphs and memory plans into, claimed at its
+        first dump (one folder per Backend: runs never mix); None without a dump dir."""
+        dump_dir = self.config.resolved_dump_dir()
+        if dump_dir and self._dump_folder is None:
+            self._dump_folder = dump.claim_run_folder(dump_dir)
+        return self._dump_folder if dump_dir else None
+
     def _dump(self, graph_index, gm, split, analysis, full_plan: str | None) -> None:
         dump.show_to_debuggers(split)
-        dump_dir = self.config.resolved_dump_dir()
-        if dump_dir:
-            if self._dump_folder is None:  # one folder per Backend: runs never mix
-                self._dump_folder = dump.claim_run_folder(dump_dir)
+        folder = self._run_folder()
+        if folder:
             pieces = [p for p in self.pieces if p.graph_index == graph_index]
-            dump.write_graph_dump(self._dump_folder, graph_index, gm, split, pieces, str(analysis.capture_dim),
-                                  full_plan)
+            dump.write_graph_dump(folder, graph_index, gm, split, pieces, str(analysis.capture_dim), full_plan)
 
 
 @dataclasses.dataclass(frozen=True)
