@@ -8,6 +8,10 @@ The one-line change is `model.forward = torch.compile(model.forward, backend=bac
 generate() keeps its default DynamicCache. The model is built from a config with random
 weights (no download), so the tokens mean nothing, but eager and compiled must agree.
 On CPU there are no CUDA graphs, so the CPU run shows the split and is not timed.
+
+Dynamo compiles two graphs of `forward` (prefill, decode) with the `dynamic_sources` line
+below, except with Inductor pieces and no CUDA graphs (`--compiler inductor` on CPU): there
+it compiles three, and the printout says why.
 """
 
 import argparse
@@ -82,12 +86,12 @@ def main() -> None:
     backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
     model.forward = torch.compile(model.forward, backend=backend)  # the one-line change
     # Recommended: the cache length is a symbol from the first decode step on, so
-    # generate() compiles two graphs (prefill, decode) instead of three.
+    # generate() compiles two graphs (prefill, decode) instead of three (see `graph_roles`).
     torch.compiler.config.dynamic_sources = r".*past_key_values.*"
     _, warmup_s = timed_generate(model, ids, mask, args.new_tokens)  # trace, compile, capture
     got, compiled_s = best_of(runs, model, ids, mask, args.new_tokens)
 
-    print_split(backend)
+    print_split(backend, inductor_off_cuda=args.compiler == "inductor" and not timing)
     tokens = args.batch * args.new_tokens
     if timing:
         print(f"eager:     {tokens / eager_s:8.1f} tokens/s")
@@ -102,15 +106,39 @@ def main() -> None:
         raise SystemExit(1)
 
 
-def print_split(backend: cgcompile.Backend) -> None:
-    """Pieces per graph, then one short line per decode piece: why it runs eagerly, as the
-    split rules' names (`backend.pieces[i].reason` has the full text, node by node)."""
-    for graph, role in enumerate(("prefill", "every decode step")):
+THIRD_GRAPH_WHY = (
+    "graph 1 served the first decode step only: the prefill's cache came out of an Inductor piece in "
+    "Inductor's layout ([B, T, H, D]-major), and without CUDA graphs outputs are returned as the piece made "
+    "them (with CUDA graphs they are copied out in eager's contiguous layout). The first decode step's cache "
+    "is contiguous, so the second fails graph 1's stride guard on past_key_values and compiles graph 2"
+)
+
+
+def graph_roles(graphs: int) -> list[str]:
+    """What each Dynamo graph of one generate() serves, by index: the prefill, then the
+    decode steps. Two graphs with the `dynamic_sources` line; a third where the first decode
+    step's graph is not reused (`THIRD_GRAPH_WHY`): the last graph serves every later step."""
+    if graphs <= 2:
+        return ["prefill", "every decode step"][:graphs]
+    middle = ["first decode step"] + [f"decode step {i}" for i in range(2, graphs - 1)]
+    return ["prefill", *middle, "every later decode step"]
+
+
+def print_split(backend: cgcompile.Backend, inductor_off_cuda: bool) -> None:
+    """Pieces per graph, then one short line per piece of the last graph (the one every
+    later step runs): why it runs eagerly, as the split rules' names
+    (`backend.pieces[i].reason` has the full text, node by node)."""
+    graphs = backend.stats.graphs_seen
+    roles = graph_roles(graphs)
+    for graph, role in enumerate(roles):
         pieces = [p for p in backend.pieces if p.graph_index == graph]
         print(f"graph {graph} ({role}): {len(pieces)} pieces, {sum(p.capturable for p in pieces)} capturable")
+    if graphs == 3 and inductor_off_cuda:
+        print(THIRD_GRAPH_WHY)
+    print(f"pieces of graph {graphs - 1} ({roles[-1]}):")
     print(f"{'piece':<16} {'capturable':<10} {'nodes':>5}  {'inputs':>6}  eager because")
     for piece in backend.pieces:
-        if piece.graph_index == backend.stats.graphs_seen - 1:
+        if piece.graph_index == graphs - 1:
             rules = dict.fromkeys(re.findall(r"\[(\w+)\]", piece.reason or ""))  # in order, once each
             line = f"{piece.name:<16} {'yes' if piece.capturable else 'no':<10} {piece.node_count:>5}  "
             print(f"{line}{len(piece.input_shapes):>6}  {', '.join(rules)}".rstrip())
