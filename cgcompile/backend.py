@@ -7,7 +7,6 @@ decided. Everything decided is recorded in `stats` and `pieces`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import weakref
@@ -33,6 +32,7 @@ from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect
 from .full_graph import FullGraph
 from .graph_piece import CudaGraphPiece
 from .memory_plan import (
+    GraphOwner,
     MemoryPlan,
     capture_within_budget,
     count_graphs,
@@ -42,7 +42,7 @@ from .memory_plan import (
 )
 from .recovery import UncapturableOps
 from .runtime import GraphRuntime
-from .stats import BackendStats, Piece, PieceRecords
+from .stats import BackendStats, Piece, PieceRecords, RunCounts, total
 from .weights import FusedCopies
 
 log = logging.getLogger(__name__)
@@ -96,20 +96,20 @@ class Backend:
 
     @property
     def stats(self) -> BackendStats:
-        self._stats.compilations = self._compiler.compilations
-        self._stats.graphs_captured = self.session.graphs_captured
-        self._stats.specialised_compilations = self._compiler.specialised_compilations  # made at first calls
-        self._stats.specialise_s = self._compiler.specialise_s
-        caches = [rt.full.code.compiles for rt in self.runtimes if rt.full is not None] + [self._eager_compiles.compiles]
-        self._stats.full_graph_compilations = sum(c.compilations for c in caches)
-        self._stats.full_graph_compile_s = sum(c.compile_s for c in caches)
-        self._stats.layout_copies = sum(
-            r.traced.copies for rt in self.runtimes for r in rt.runners if hasattr(r, "traced")
+        """The Backend's own counters, with what its compiler and session count and what
+        every graph's runtime reports (`GraphRuntime.counts`), added up."""
+        eager = self._eager_compiles.compiles  # eager pieces compiled for full graphs, shared by all graphs
+        run = total([rt.counts() for rt in self.runtimes] + [
+            RunCounts(full_graph_compilations=eager.compilations, full_graph_compile_s=eager.compile_s)])
+        reported = dict(
+            dataclasses.asdict(run),
+            compilations=self._compiler.compilations,
+            specialised_compilations=self._compiler.specialised_compilations,  # made at first calls
+            specialise_s=self._compiler.specialise_s,
+            graphs_captured=self.session.graphs_captured,
         )
-        self._stats.fused_weight_refreshes = sum(rt.fused.refreshes for rt in self.runtimes if rt.fused is not None)
-        watched = [rt.addresses for rt in self.runtimes if rt.addresses is not None]
-        self._stats.calls_with_moved_parameters = sum(a.calls_without_graphs for a in watched)
-        self._stats.parameter_recaptures = sum(a.recaptures for a in watched)
+        for name, value in reported.items():
+            setattr(self._stats, name, value)
         return self._stats
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None) -> Callable:
@@ -127,7 +127,8 @@ class Backend:
         build = phases.GraphBuild(index, analysis, sizing, self._compiler, self.config)
         runners = phases.build_runners(build, split, self.session)
         self._records.add(index, runners.pieces)
-        full = phases.full_graph(build, gm, split, runners, self.session, self._stats, self._eager_compiles)
+        full = phases.full_graph(build, gm, split, runners, self.session, self._eager_compiles)
+        self._count_choice(full)
         clone = phases.outputs_to_clone(gm, split, runners, self.config)
         watch = phases.address_watch(build, gm, split, fusion)
         recovery = phases.piece_recovery(build, split, self._records, self._uncapturable)
@@ -153,6 +154,10 @@ class Backend:
             counts = self._stats.uncaptured_graphs
             counts[analysis.uncaptured] = counts.get(analysis.uncaptured, 0) + 1
 
+    def _count_choice(self, full: phases.FullGraphChoice) -> None:
+        choices = self._stats.full_graph_choices
+        choices[full.choice] = choices.get(full.choice, 0) + 1
+
     def _count_fusion(self, fusion: phases.Fusion) -> None:
         if fusion.weights is not None:
             self._stats.fused_linears += fusion.linears
@@ -176,7 +181,8 @@ class Backend:
         """
         if memory_budget is not None:
             check_capture_call("Backend.capture", model, make_inputs, progress)
-            self.memory_plan = capture_within_budget(self, model, make_inputs, memory_budget, sizes, progress, name)
+            self.memory_plan = capture_within_budget(self._graph_owner(), model, make_inputs, memory_budget, sizes,
+                                                     progress, name)
             return self.memory_plan.graphs
         check_capture_call("Backend.capture", model, make_inputs, progress)
         sizes = requested_sizes("Backend.capture", sizes, self.config.sizes.capture_sizes, bounded=True)
@@ -207,10 +213,10 @@ class Backend:
                    "first, or pass the compiled model and make_inputs to measure on CUDA", StateError, raw=True)
             expect(memory_budget is None, "plan_memory: memory_budget", "None without model and make_inputs",
                    memory_budget, "pass the compiled model and make_inputs: bytes are measured on CUDA")
-            plan = count_graphs(self, sizes, name)
+            plan = count_graphs(self.runtimes, self.pieces, self.config.sizes.capture_sizes, sizes, name)
         else:
             require_profiling_device("plan_memory")
-            plan = profile_plan(self, model, make_inputs, sizes, memory_budget, name)
+            plan = profile_plan(self._graph_owner(), model, make_inputs, sizes, memory_budget, name)
         write_plan(self._run_folder(), plan)
         return plan
 
@@ -228,33 +234,16 @@ class Backend:
                 "profile_capture_memory: expected no captured graphs, got some; call it before the "
                 "first capture or after clear()"
             )
-        with self.probe_session(sizes) as probe:
+        with self.session.probe() as probe:
             graphs = capture_all(probe, model, make_inputs, sizes, progress=False)
             require_captured("profile_capture_memory", probe)
             reserved = probe.pool.bytes_reserved()
         return CaptureMemoryProfile(reserved, graphs)
 
-    @contextlib.contextmanager
-    def probe_session(self, sizes: tuple[int, ...]):
-        """Every graph runner captures into a temporary session (its own pool) meanwhile;
-        on leaving, that session's graphs and pool are released and the runners return."""
-        probe = CaptureSession.for_config(self.config, sizes=sizes)
-        previous, self.session = self.session, probe
-        for runner in self._graph_runners():
-            runner.session = probe
-            probe.register(runner)
-        for runtime in self.runtimes:
-            runtime.session = probe
-        try:
-            yield probe
-        finally:
-            probe.clear()
-            self.session = previous
-            for runner in self._graph_runners():
-                runner.session = previous
-                previous.register(runner)
-            for runtime in self.runtimes:
-                runtime.session = previous
+    def _graph_owner(self) -> GraphOwner:
+        """What a memory plan reads of this Backend; its probes capture into a temporary pool."""
+        return GraphOwner(self.session, self._graph_runners(), self.session.probe, self.config.sizes.capture_sizes,
+                          self.config.graphs.cudagraphs is not False, self._run_folder())
 
     def clear(self) -> None:
         """Release every graph and the pool; later calls capture again lazily (at every

@@ -401,6 +401,34 @@ class CaptureSession:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
+    def keep_only(self, sizes) -> None:
+        """Pad calls to `sizes` from now on and capture no graph lazily (a capture under a
+        memory budget, `cgcompile.memory_plan`); `clear` lifts both."""
+        self.padding.use(sizes)
+        self.lazy_capture = False
+
+    @contextlib.contextmanager
+    def probe(self):
+        """This session, capturing into a temporary pool of its own meanwhile: what a
+        capture costs is measured there (`cgcompile.memory_plan`). On leaving, every graph
+        captured meanwhile is dropped, the temporary pool released, and the session
+        captures into its own pool again, with its counts and settings as before.
+
+        The runners keep the session they were built with: a probe changes where it
+        captures, not who captures, so nothing is registered again and the replay plans
+        are dropped with the graphs as usual. Enter it with no graphs held."""
+        saved = (self._pool, self._pool_given, self._anchor, self._retired, self.graphs_captured,
+                 self.lazy_capture, self.padding.sizes)
+        self._pool, self._pool_given, self._anchor, self._retired, self.graphs_captured = None, False, None, [], 0
+        self.lazy_capture = True  # as after `clear`, which a probe needs before it (no graphs held)
+        try:
+            yield self
+        finally:
+            self.clear()  # drops the probe's graphs (every runner is registered here) and its pool
+            (self._pool, self._pool_given, self._anchor, self._retired, self.graphs_captured,
+             self.lazy_capture, sizes) = saved
+            self.padding.use(sizes)
+
 
 @contextlib.contextmanager
 def gc_paused():

@@ -46,7 +46,7 @@ from .errors import CaptureError
 from .ops import call_without_cudnn_attention
 from .passes import FullGraphPlan
 from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out, submodule_name
-from .stats import BackendStats
+from .stats import RunCounts
 
 if TYPE_CHECKING:
     from .compiler import EagerPieceCompiles, FullGraphCode
@@ -77,16 +77,16 @@ class FullGraph:
     kind = "full graph"
 
     def __init__(self, name: str, plan: FullGraphPlan, code: FullGraphCode, session: CaptureSession,
-                 stats: BackendStats, copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
+                 copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
         self.name = name
         self.plan = plan
         self.code = code
         self.session = session
-        self.stats = stats
         self.copies = copies
         self.cudagraphs = cudagraphs
         self.graphs: dict[int, _Entry] = {}
-        self.calls = Counter()  # "full", "piecewise": this graph's share of the stats
+        self.calls = Counter()  # "full", "piecewise": this graph's calls by path (`counts`)
+        self.reasons = Counter()  # its piecewise calls by case
         self.disabled: str | None = None  # why the full path is off for good (a failed capture)
         self._last_key: dict[int, tuple] = {}
         self._logged: set[str] = set()
@@ -185,7 +185,7 @@ class FullGraph:
         """Count a piecewise call; `detail` (or what it returns: made only for the log, once
         per case, as a model whose cache length grows takes this path every call) is logged."""
         self._count("piecewise")
-        self.stats.piecewise_reasons[case] = self.stats.piecewise_reasons.get(case, 0) + 1
+        self.reasons[case] += 1
         if case not in self._logged:
             self._logged.add(case)
             log.info("cgcompile: %s runs piecewise: %s%s", self.name, case, detail() if callable(detail) else detail)
@@ -193,10 +193,13 @@ class FullGraph:
 
     def _count(self, path: str) -> None:
         self.calls[path] += 1
-        if path == "full":
-            self.stats.full_graph_calls += 1
-        else:
-            self.stats.piecewise_calls += 1
+
+    def counts(self) -> RunCounts:
+        """This graph's calls by path, why the piecewise ones were, and its compiles."""
+        compiles = self.code.compiles
+        return RunCounts(full_graph_calls=self.calls["full"], piecewise_calls=self.calls["piecewise"],
+                         piecewise_reasons=dict(self.reasons), full_graph_compilations=compiles.compilations,
+                         full_graph_compile_s=compiles.compile_s)
 
     def _log_once(self, case: str, message: str, *args) -> None:
         if case not in self._logged:

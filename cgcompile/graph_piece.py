@@ -45,6 +45,7 @@ from .errors import CaptureError
 from .passes import example_value, written_inputs
 from .replay_plan import CapturedGraph
 from .runtime import PieceCaptureFailed, PieceRunner
+from .stats import RunCounts
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ class _TracedPiece(PieceRunner):
     def __init__(self, name, fn, traced: TracedLayout):
         super().__init__(name, fn)
         self.traced = traced
+
+    def counts(self) -> RunCounts:
+        """Inputs copied into the traced layout (calls without graphs)."""
+        return RunCounts(layout_copies=self.traced.copies)
 
     def compiled_at(self, n: int) -> Callable:
         """The compiled piece itself, run without graphs or padding on calls of n rows."""

@@ -23,24 +23,57 @@ so the budget holds when `capture` returns. `Backend.clear()` lifts all of this.
 Why the estimate holds: graphs of different sizes share one pool (see `capture`), and
 the profile captures the same sizes, in the same order, with the same calls as the real
 capture, so the caching allocator makes the same requests and the pool ends the same.
+
+What this module reads of the graphs' owner (a Backend) it is handed: the Dynamo graphs'
+runtimes and piece records for a count, a `GraphOwner` (the session, the runners holding
+graphs, a probe factory, the settings it needs) for a profile or a budgeted capture. It
+changes the session only through the session's own methods (`CaptureSession.probe`,
+`keep_only`, `clear`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from . import aot_capture
 from .aot_capture import MakeInputs, capture_all, check_capture_call, require_cuda_graphs, requested_sizes
+from .capture import CaptureSession
 from .dump import read_json
+from .stats import Piece
 from .errors import CaptureError, expect, expected
 
 log = logging.getLogger(__name__)
 
 _MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphOwner:
+    """What a profile and a budgeted capture read of the owner of the graphs (a Backend).
+
+    session: the owner's capture session, which every runner captures with.
+    runners: the runners that hold CUDA graphs (graph pieces, full graphs): a plan is
+        made, and a budgeted capture starts, with none held.
+    probe: `with probe() as session:` captures into a temporary pool and releases it on
+        leaving (`CaptureSession.probe`).
+    capture_sizes: Config.capture_sizes. cudagraphs: False where Config.cudagraphs=False.
+    dump_dir: where plans are written (None: nowhere).
+    """
+
+    session: CaptureSession
+    runners: Sequence[Any]
+    probe: Callable[[], contextlib.AbstractContextManager[CaptureSession]]
+    capture_sizes: tuple[int, ...]
+    cudagraphs: bool
+    dump_dir: str | None
+
+    def graphs_held(self) -> int:
+        return sum(len(r.graphs) for r in self.runners)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,29 +216,31 @@ def _check_name(culprit: str, name: Any) -> str:
 # -- the plan without CUDA ------------------------------------------------------------------
 
 
-def count_graphs(backend, sizes=None, name: str = "model") -> MemoryPlan:
+def count_graphs(runtimes: Sequence[Any], pieces: Sequence[Piece], capture_sizes: tuple[int, ...], sizes=None,
+                 name: str = "model") -> MemoryPlan:
     """How many CUDA graphs a capture of each size makes, from the Dynamo graphs traced so
     far (call the model once per kind of call first: prefill and decode are two graphs).
 
-    Needs no CUDA. An upper bound: it assumes every Dynamo graph is called at every size;
-    a graph without a capture dimension is captured once, with the largest size. Bytes
-    are unknown until `profile_plan` measures them.
+    runtimes: the Dynamo graphs' runtimes, graph k at position k; pieces: their pieces'
+    records. Needs no CUDA. An upper bound: it assumes every Dynamo graph is called at
+    every size; a graph without a capture dimension is captured once, with the largest
+    size. Bytes are unknown until `profile_plan` measures them.
     """
     _check_name("count_graphs", name)
-    expect(bool(backend.runtimes), "count_graphs", "a model compiled with this backend and called once",
+    expect(bool(runtimes), "count_graphs", "a model compiled with this backend and called once",
            "no Dynamo graph yet", "call the compiled model once per kind of call (e.g. prefill and decode) first",
            raw=True)
-    sizes = sorted(requested_sizes("count_graphs", sizes, backend.config.sizes.capture_sizes, bounded=True), reverse=True)
-    per_size, once = _graphs_per_call(backend)
+    sizes = sorted(requested_sizes("count_graphs", sizes, capture_sizes, bounded=True), reverse=True)
+    per_size, once = _graphs_per_call(runtimes, pieces)
     rows = tuple(SizePlan(s, per_size + (once if i == 0 else 0), None) for i, s in enumerate(sizes))
-    return MemoryPlan(name, rows, tuple(sizes), capture_sizes=tuple(backend.config.sizes.capture_sizes))
+    return MemoryPlan(name, rows, tuple(sizes), capture_sizes=tuple(capture_sizes))
 
 
-def _graphs_per_call(backend) -> tuple[int, int]:
+def _graphs_per_call(runtimes: Sequence[Any], pieces: Sequence[Piece]) -> tuple[int, int]:
     """(graphs every size adds, graphs captured once) over the Dynamo graphs seen."""
     per_size = once = 0
-    for index, runtime in enumerate(backend.runtimes):
-        capturable = sum(p.capturable for p in backend.pieces if p.graph_index == index)
+    for index, runtime in enumerate(runtimes):
+        capturable = sum(p.capturable for p in pieces if p.graph_index == index)
         if runtime.sizing is None:
             once += capturable
         else:
@@ -226,7 +261,7 @@ def require_profiling_device(culprit: str) -> None:
             "bytes unknown)", raw=True))
 
 
-def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_budget: int | None = None,
+def profile_plan(owner: GraphOwner, model, make_inputs: MakeInputs, sizes=None, memory_budget: int | None = None,
                  name: str = "model", culprit: str = "plan_memory") -> MemoryPlan:
     """Measure graphs and pool bytes per size in a temporary pool, release it, and choose
     the sizes a capture under `memory_budget` would keep (all of them without one).
@@ -234,15 +269,15 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
     Raises CaptureError before running anything without CUDA, or when graphs are captured.
     """
     check_capture_call(culprit, model, make_inputs, False)
-    sizes = requested_sizes(culprit, sizes, backend.config.sizes.capture_sizes, bounded=True)
+    sizes = requested_sizes(culprit, sizes, owner.capture_sizes, bounded=True)
     if memory_budget is not None:
         check_budget(culprit, memory_budget)
     _check_name(culprit, name)
-    require_cuda_graphs(culprit, backend.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
-    _require_no_graphs(culprit, backend)
+    require_cuda_graphs(culprit, owner.cudagraphs, "Config.cudagraphs=False")
+    _require_no_graphs(culprit, owner)
     remaining = sorted(set(sizes), reverse=True)
     while True:
-        rows = _profile(backend, model, make_inputs, remaining, memory_budget)
+        rows = _profile(owner, model, make_inputs, remaining, memory_budget)
         kept = fitting_sizes(rows, memory_budget)
         if kept or len(remaining) == 1:
             break
@@ -252,7 +287,7 @@ def profile_plan(backend, model, make_inputs: MakeInputs, sizes=None, memory_bud
     profiled = {row.size for row in rows}
     unmeasured = {s: SizePlan(s, None, None) for s in sizes if s not in profiled}
     ordered = sorted([*rows, *unmeasured.values()], key=lambda row: -row.size)
-    return MemoryPlan(name, tuple(ordered), kept, memory_budget, capture_sizes=tuple(backend.config.sizes.capture_sizes))
+    return MemoryPlan(name, tuple(ordered), kept, memory_budget, capture_sizes=tuple(owner.capture_sizes))
 
 
 def fitting_sizes(rows: tuple[SizePlan, ...], budget: int | None) -> tuple[int, ...]:
@@ -265,11 +300,11 @@ def fitting_sizes(rows: tuple[SizePlan, ...], budget: int | None) -> tuple[int, 
     return tuple(kept)
 
 
-def _profile(backend, model, make_inputs, sizes: list[int], stop_above: int | None) -> tuple[SizePlan, ...]:
+def _profile(owner: GraphOwner, model, make_inputs, sizes: list[int], stop_above: int | None) -> tuple[SizePlan, ...]:
     """Capture `sizes` largest first into a temporary pool; stop once it exceeds stop_above
     (smaller sizes could not be kept anyway)."""
     rows = []
-    with backend.probe_session(tuple(sizes)) as probe:
+    with owner.probe() as probe:
         for size in sizes:
             before = probe.graphs_captured
             capture_all(probe, model, make_inputs, (size,), progress=False)
@@ -279,8 +314,8 @@ def _profile(backend, model, make_inputs, sizes: list[int], stop_above: int | No
     return tuple(rows)
 
 
-def _require_no_graphs(culprit: str, backend) -> None:
-    if backend.graphs_held():
+def _require_no_graphs(culprit: str, owner: GraphOwner) -> None:
+    if owner.graphs_held():
         raise CaptureError(expected(culprit, "no captured graphs", "some", "call it before the first "
                                     "capture, or after backend.clear()", raw=True))
 
@@ -288,46 +323,45 @@ def _require_no_graphs(culprit: str, backend) -> None:
 # -- capture under a budget -------------------------------------------------------------------
 
 
-def capture_within_budget(backend, model, make_inputs: MakeInputs, memory_budget: int, sizes=None,
+def capture_within_budget(owner: GraphOwner, model, make_inputs: MakeInputs, memory_budget: int, sizes=None,
                           progress: bool = True, name: str = "model") -> MemoryPlan:
-    """Plan, then capture the kept sizes into the backend's pool; see the module docstring
+    """Plan, then capture the kept sizes into the owner's pool; see the module docstring
     for what calls of the other sizes do. Returns the plan with the measured pool.
 
     Graphs captured before (lazily, by earlier calls) are dropped first: the budget
     covers every graph in the pool."""
     check_budget("Backend.capture", memory_budget)
-    require_cuda_graphs("Backend.capture", backend.config.graphs.cudagraphs is not False, "Config.cudagraphs=False")
-    if backend.graphs_held():
+    require_cuda_graphs("Backend.capture", owner.cudagraphs, "Config.cudagraphs=False")
+    if owner.graphs_held():
         log.info("cgcompile: %s: dropping %d graphs captured before, so the budget covers the whole pool",
-                 name, backend.graphs_held())
-        backend.clear()
-    plan = profile_plan(backend, model, make_inputs, sizes, memory_budget, name, "Backend.capture")
+                 name, owner.graphs_held())
+        owner.session.clear()
+    plan = profile_plan(owner, model, make_inputs, sizes, memory_budget, name, "Backend.capture")
     kept = list(plan.captured)
     while True:
-        _capture_only(backend, model, make_inputs, kept, progress)
-        actual = backend.graph_memory()
+        _capture_only(owner.session, model, make_inputs, kept, progress)
+        actual = owner.session.graph_memory()
         if actual <= memory_budget or not kept:
             break
         log.warning("cgcompile: %s's pool is %d bytes after capture, over the budget of %d (the profile "
                     "measured %d); dropping size %d and capturing again", name, actual, memory_budget,
                     plan.estimate_bytes, kept[-1])
-        backend.clear()
+        owner.session.clear()
         kept.pop()
     if not kept:
         log.warning("cgcompile: %s: no capture size fits the memory budget of %d bytes; every call "
                     "runs without CUDA graphs", name, memory_budget)
     plan = dataclasses.replace(plan, captured=tuple(kept), actual_bytes=actual)
-    write_plan(backend.config.resolved_dump_dir(), plan)
+    write_plan(owner.dump_dir, plan)
     return plan
 
 
-def _capture_only(backend, model, make_inputs, sizes: list[int], progress: bool) -> None:
+def _capture_only(session: CaptureSession, model, make_inputs, sizes: list[int], progress: bool) -> None:
     """Capture exactly these sizes, one at a time largest first as `_profile` does; calls
     pad to them from now on and add no graph lazily."""
-    backend.session.padding.use(sizes)
-    backend.session.lazy_capture = False
+    session.keep_only(sizes)
     for size in sizes:
-        capture_all(backend.session, model, make_inputs, (size,), progress=progress)
+        capture_all(session, model, make_inputs, (size,), progress=progress)
 
 
 # -- the plan on disk, for `python -m cgcompile.inspect` -----------------------------------------

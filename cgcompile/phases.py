@@ -45,7 +45,7 @@ from .passes import (
 )
 from .recovery import PieceRecovery, UncapturableOps
 from .runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
-from .stats import BackendStats, Piece, PieceRecords
+from .stats import Piece, PieceRecords
 from .weights import FusedCopies, FusedWeights, has_address
 
 log = logging.getLogger(__name__)
@@ -118,11 +118,13 @@ class Runners:
 
 @dataclasses.dataclass(frozen=True)
 class FullGraphChoice:
-    """The full path of a graph (None: piecewise only) and the line the dump records
-    (None when no split op is declared capturable)."""
+    """The full path of a graph (None: piecewise only), the line the dump records (None
+    when no split op is declared capturable), and how it was chosen (the case
+    `BackendStats.full_graph_choices` counts graphs by)."""
 
     graph: FullGraph | None
     summary: str | None
+    choice: str
 
 
 # -- the steps -------------------------------------------------------------------------
@@ -320,7 +322,7 @@ _AUTOMATIC_NOTE = ' (chosen automatically: full_graph="auto", the default with C
 
 
 def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
-               session: CaptureSession, stats: BackendStats, eager_compiles: EagerPieceCompiles) -> FullGraphChoice:
+               session: CaptureSession, eager_compiles: EagerPieceCompiles) -> FullGraphChoice:
     """A full path where the graph's full-graph options (`Config.full_graph_for`) allow one.
 
     The automatic default leaves out graphs with no eager piece: their piecewise run is
@@ -329,18 +331,16 @@ def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, r
     options = build.config.full_graph_for(build.analysis.cudagraphs)
     if options is None or (automatic and all(spec.capturable for spec in split.pieces)):
         off = OFF_BY_CONFIG if not automatic else OFF_WITHOUT_GRAPHS if options is None else OFF_ONE_PIECE
-        _count_choice(stats, off)
-        return FullGraphChoice(None, None)
+        return FullGraphChoice(None, None, off)
     note = _AUTOMATIC_NOTE if automatic else ""
     plan = plan_full_graph(gm, split, build.analysis.static_inputs, build.analysis.symbol,
                            options.capturable_ops.covers)
     if isinstance(plan, str):
         log.info("cgcompile: graph %d has no full graph: %s", build.index, plan)
-        _count_choice(stats, NO_PLAN)
-        return FullGraphChoice(None, f"piecewise only: {plan}{note}")
-    _count_choice(stats, CHOSEN_AUTOMATICALLY if automatic else CHOSEN_BY_CONFIG)
-    graph = _make_full_graph(build, gm, split, runners, session, stats, eager_compiles, options, plan)
-    return FullGraphChoice(graph, _full_graph_summary(plan, options) + note)
+        return FullGraphChoice(None, f"piecewise only: {plan}{note}", NO_PLAN)
+    graph = _make_full_graph(build, gm, split, runners, session, eager_compiles, options, plan)
+    return FullGraphChoice(graph, _full_graph_summary(plan, options) + note,
+                           CHOSEN_AUTOMATICALLY if automatic else CHOSEN_BY_CONFIG)
 
 
 def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
@@ -351,12 +351,8 @@ def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
     return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
 
 
-def _count_choice(stats: BackendStats, choice: str) -> None:
-    stats.full_graph_choices[choice] = stats.full_graph_choices.get(choice, 0) + 1
-
-
 def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
-                     session: CaptureSession, stats: BackendStats, eager_compiles: EagerPieceCompiles,
+                     session: CaptureSession, eager_compiles: EagerPieceCompiles,
                      options: FullGraphOptions, plan: FullGraphPlan) -> FullGraph:
     config = build.config
     values = _output_values(gm)
@@ -373,7 +369,7 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
     pieces = plain_function(split.stitch, runners.runners, n_at, config.split.cudnn_attention, eager)
     code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
                          config.split.cudnn_attention, options.small_query_attention)
-    return FullGraph(name, plan, code, session, stats, copies, cudagraphs=build.analysis.cudagraphs)
+    return FullGraph(name, plan, code, session, copies, cudagraphs=build.analysis.cudagraphs)
 
 
 def outputs_to_clone(gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,

@@ -43,6 +43,7 @@ from .buffers import SizePolicy
 from .errors import CaptureError
 from .ops import call_without_cudnn_attention
 from .replay_plan import ReplayPlans
+from .stats import RunCounts, total
 from .weights import FusedWeights, ParameterAddresses
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,10 @@ class PieceRunner(torch.nn.Module):
 
     def forward(self, *args):
         return self.fn(*args)
+
+    def counts(self) -> RunCounts:
+        """What this runner counted (`BackendStats`); a plain piece counts nothing."""
+        return RunCounts()
 
     def at(self, n: int, size: int | None) -> Callable:
         """What the stitch calls for this piece on a call of n rows run at `size`: here the
@@ -363,6 +368,19 @@ class GraphRuntime:
             log.warning("cgcompile: %s dropped its CUDA graphs after its parameters moved; graphs "
                         "captured under a memory budget are not captured lazily: call backend.capture(...) "
                         "again to have them", self.addresses.name)
+
+    def counts(self) -> RunCounts:
+        """What this graph's parts counted: its runners, its full graph, its fused weights
+        and its parameter watch (the Backend adds up every graph's)."""
+        parts = [runner.counts() for runner in self.runners]
+        if self.full is not None:
+            parts.append(self.full.counts())
+        if self.fused is not None:
+            parts.append(RunCounts(fused_weight_refreshes=self.fused.refreshes))
+        if self.addresses is not None:
+            parts.append(RunCounts(calls_with_moved_parameters=self.addresses.calls_without_graphs,
+                                   parameter_recaptures=self.addresses.recaptures))
+        return total(parts)
 
     def drop_graphs(self) -> None:
         """Forget every CUDA graph of this graph's pieces; they are captured again lazily."""

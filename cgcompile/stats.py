@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -79,6 +79,36 @@ class BackendStats:
     # recaptures once new addresses settled (see `cgcompile.weights`).
     calls_with_moved_parameters: int = 0
     parameter_recaptures: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCounts:
+    """What one part of the run half counted, as the part reports it (`counts()` on a
+    runner, a full graph, a graph's runtime); the Backend adds the parts' up into its
+    `BackendStats`. Fields as there."""
+
+    layout_copies: int = 0
+    full_graph_calls: int = 0
+    piecewise_calls: int = 0
+    piecewise_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    full_graph_compilations: int = 0
+    full_graph_compile_s: float = 0.0
+    fused_weight_refreshes: int = 0
+    calls_with_moved_parameters: int = 0
+    parameter_recaptures: int = 0
+
+    def __add__(self, other: "RunCounts") -> "RunCounts":
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name)
+                  for f in dataclasses.fields(self) if f.name != "piecewise_reasons"}
+        reasons = dict(self.piecewise_reasons)
+        for case, count in other.piecewise_reasons.items():
+            reasons[case] = reasons.get(case, 0) + count
+        return RunCounts(piecewise_reasons=reasons, **summed)
+
+
+def total(counts: Iterable[RunCounts]) -> RunCounts:
+    """The sum of what several parts counted."""
+    return sum(counts, RunCounts())
 
 
 class PieceRecords:
