@@ -78,6 +78,94 @@ def test_the_engine_does_not_import_its_test_tools_or_orchestrators():
     assert not tools, f"the engine imports the test tools: {sorted(tools)}"
     # Lower rooms never reach the orchestrators above them.
     above = {"cgcompile.backend", "cgcompile.manager", "cgcompile.phases"}
-    lower = [name for name in engine if name not in above | {"cgcompile.inspect", "cgcompile.memory_plan"}]
+    lower = [name for name in engine if name not in above | {"cgcompile.inspect"}]
     up = {(a, b) for a in lower for b in graph[a] & above}
     assert not up, f"imports that run back up to an orchestrator: {sorted(up)}"
+
+
+def test_the_memory_plan_is_handed_what_it_reads():
+    """Its functions take the session, runtimes, runners and a probe factory (`GraphOwner`),
+    never the Backend: a parameter named `backend` is the Backend coming back in."""
+    path = ROOT / "cgcompile" / "memory_plan.py"
+    taking = [f"{node.name} (line {node.lineno})" for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+              and "backend" in {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}]
+    assert not taking, f"memory_plan functions that take the Backend: {taking}"
+
+
+# -- no object patched after construction ------------------------------------------------------
+#
+# An object is complete when its constructor returns: its owner sets its attributes, through
+# `self` (or `cls`), and nobody else does. The scan below finds every attribute written on
+# something that is not `self`/`cls` (`x.attr = ...`, `x.attr += ...`, `setattr(x, ...)`,
+# `x.__dict__.update(...)`) in the engine (cgcompile/ minus the test tools in
+# cgcompile/testing/). Each exception is listed with why it is not a patch.
+PATCH_ALLOWED = {
+    ("cgcompile/breakable/path.py", "runner.module.forward"):
+        "installing a breakable path routes the user's module through its runner, and uninstall puts "
+        "the module's own forward back: the manager's documented install/uninstall",
+    ("cgcompile/breakable/signature.py", "state.last"): "SignatureRule's own per-size record (`_SizeState`)",
+    ("cgcompile/breakable/signature.py", "state.observed"): "SignatureRule's own per-size record (`_SizeState`)",
+    ("cgcompile/breakable/signature.py", "state.full_warned"): "SignatureRule's own per-size record (`_SizeState`)",
+    ("cgcompile/breakable/transformers.py", "setattr(cache_utils.Cache, ...)"):
+        "transformers' Cache methods hooked only while a call is recorded, restored after (the integration)",
+    ("cgcompile/capture.py", "wrapped.device"): "as_pool builds a GraphPool around a raw handle (construction)",
+    ("cgcompile/capture.py", "wrapped.handle"): "as_pool builds a GraphPool around a raw handle (construction)",
+    ("cgcompile/parallel/distributed.py", "timer.daemon"): "a threading.Timer made daemon before it starts",
+    ("cgcompile/replay_plan.py", "replay.source"): "a generated replay function keeps its source, where it is made",
+    ("cgcompile/config.py", "__init__.__signature__"): "the signature help(Config) shows, set in the class body",
+    # Still to be removed (issue 42's run half): capture recovery finishes the running call without
+    # graphs by re-pointing that call's stitch namespace (the stitch's own object, made by it).
+    ("cgcompile/runtime.py", "running.__dict__.update(...)"):
+        "still to be removed: recovery re-points the running call's stitch namespace at runners without graphs",
+}
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _patches(tree: ast.AST) -> list[tuple[str, int]]:
+    """(what is written, line) for every attribute written on an object that is not self/cls."""
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = [t for target in node.targets for t in (target.elts if isinstance(target, ast.Tuple)
+                                                             else [target])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if _root_name(node.args[0]) not in ("self", "cls"):
+                found.append((f"setattr({ast.unparse(node.args[0])}, ...)", node.lineno))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update"
+              and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "__dict__"):
+            if _root_name(node.func.value.value) not in ("self", "cls"):
+                found.append((f"{ast.unparse(node.func.value)}.update(...)", node.lineno))
+        for target in targets:
+            if isinstance(target, ast.Attribute) and _root_name(target) not in ("self", "cls"):
+                found.append((ast.unparse(target), node.lineno))
+    return found
+
+
+def test_the_patch_scan_finds_each_form_of_patching():
+    source = ("def f(runner, top, stitch, ns, probe):\n"
+              "    runner.session = probe\n    top.step.size += 1\n    setattr(stitch, 'piece_1', runner)\n"
+              "    ns.__dict__.update({})\n    self.session = probe\n    self.plans.session = probe\n")
+    assert [what for what, _ in _patches(ast.parse(source))] == [
+        "runner.session", "top.step.size", "setattr(stitch, ...)", "ns.__dict__.update(...)"]
+
+
+def test_no_object_is_patched_after_construction():
+    found = []
+    for path in sorted((ROOT / "cgcompile").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("cgcompile/testing/"):
+            continue
+        found += [f"{rel}:{line}: {what}" for what, line in _patches(ast.parse(path.read_text()))
+                  if (rel, what) not in PATCH_ALLOWED]
+    assert not found, ("attributes written on objects other than self (hand the value to the constructor, "
+                       "or add a method the owner calls; an exception goes in PATCH_ALLOWED with why):\n"
+                       + "\n".join(found))
