@@ -163,7 +163,7 @@ def cgcompile_report(backend) -> dict:
 
 def prepare_cgcompile(compiler: str, plans: bool = True, **fields) -> Callable[[Bench], Prepared]:
     """plans False: every replay goes through the stitch and each graph piece's own
-    replay, not the runtimes' straight-line replay plans (`cgcompile.replay_plan`): the
+    replay, not the runtimes' straight-line replay plans (`cgcompile.run.replay_plan`): the
     baseline the plans are measured against."""
 
     def prepare(bench: Bench) -> Prepared:

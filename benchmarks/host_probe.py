@@ -45,14 +45,14 @@ import torch
 import cgcompile
 import cgcompile.breakable.record as record
 import cgcompile.breakable.runner as runner_module
-import cgcompile.graph_piece as graph_piece
-import cgcompile.replay_plan as replay_plan
-import cgcompile.runtime as runtime_module
-from cgcompile.buffers import SizePolicy, StaticInput
+import cgcompile.run.graph_piece as graph_piece
+import cgcompile.run.replay_plan as replay_plan
+import cgcompile.run.runtime as runtime_module
+from cgcompile.run.buffers import SizePolicy, StaticInput
 from cgcompile.breakable.signature import SignatureRule
-from cgcompile.full_graph import FullGraph
+from cgcompile.run.full_graph import FullGraph
 from cgcompile.testing.decode_model import MODEL_CONFIGS
-from cgcompile.weights import FusedWeights, ModuleTensors, ParameterAddresses
+from cgcompile.run.weights import FusedWeights, ModuleTensors, ParameterAddresses
 from decode_bench import build_bench, default_dtype, timing_start
 from decode_variants import VARIANT_NAMES, VARIANTS
 from harness import environment, log, synchronize, write_json

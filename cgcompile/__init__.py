@@ -15,11 +15,11 @@ if importlib.util.find_spec(f"{__name__}.passes") is None:  # pyproject's packag
 
 from .backend import Backend, CaptureMemoryProfile, backend_of
 from .breakable import BreakableRunner, eager_break
-from .capture import GraphPool
+from .run.capture import GraphPool
 from .config import Compile, Config, Debug, FullGraphOptions, Graphs, Manager, Rewrites, Sizes, Split
 from .errors import ArgumentError, CaptureError, CGCompileError, ConfigError, DistributedError, StateError
 from .manager import GraphManager
-from .memory_plan import MemoryPlan, SizePlan
+from .tools.memory_plan import MemoryPlan, SizePlan
 from .stats import BackendStats, Piece
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The `cgcompile` torch.compile backend: the Backend's state, stats and user API.
 
 `Backend.__call__` is what Dynamo calls with each graph it captures; it reads as the
-steps it takes, each a function of `cgcompile.phases` that returns a record of what it
+steps it takes, each a function of `cgcompile.build.phases` that returns a record of what it
 decided. Everything decided is recorded in `stats` and `pieces`.
 """
 
@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-from . import dump, phases
-from .aot_capture import (
+from .tools import dump
+from .build import phases
+from .tools.aot_capture import (
     MakeInputs,
     capture_all,
     check_capture_call,
@@ -24,14 +25,14 @@ from .aot_capture import (
     require_cuda_graphs,
     requested_sizes,
 )
-from .capture import CaptureSession
+from .run.capture import CaptureSession
 from .compat import torch_compile_call_of, torch_compile_call_on_stack
-from .compiler import EagerPieceCompiles, PieceCompiler
+from .build.compiler import EagerPieceCompiles, PieceCompiler
 from .config import Config, as_config
 from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
-from .full_graph import FullGraph
-from .graph_piece import CudaGraphPiece
-from .memory_plan import (
+from .run.full_graph import FullGraph
+from .run.graph_piece import CudaGraphPiece
+from .tools.memory_plan import (
     GraphOwner,
     MemoryPlan,
     capture_within_budget,
@@ -40,10 +41,10 @@ from .memory_plan import (
     require_profiling_device,
     write_plan,
 )
-from .recovery import UncapturableOps
-from .runtime import GraphRuntime
+from .run.recovery import UncapturableOps
+from .run.runtime import GraphRuntime
 from .stats import BackendStats, Piece, PieceRecords, RunCounts, total
-from .weights import FusedCopies
+from .run.weights import FusedCopies
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ class Backend:
 
         memory_budget: bytes the pool may hold. The sizes are profiled first, the largest
         kept while the pool fits, and calls of the others padded up to a captured size or
-        run without graphs (see `cgcompile.memory_plan`); `self.memory_plan` records it
+        run without graphs (see `cgcompile.tools.memory_plan`); `self.memory_plan` records it
         all, under `name`.
         """
         if memory_budget is not None:
@@ -205,7 +206,7 @@ class Backend:
 
         Without model and make_inputs: graphs counted from the Dynamo graphs traced so
         far, bytes unknown (no CUDA needed). With them: measured on CUDA in a temporary
-        pool, and the sizes a capture under `memory_budget` keeps. See `cgcompile.memory_plan`.
+        pool, and the sizes a capture under `memory_budget` keeps. See `cgcompile.tools.memory_plan`.
         """
         if model is None and make_inputs is None:
             expect(bool(self.runtimes), "Backend.plan_memory", "a model compiled with this backend and called once",

@@ -363,7 +363,7 @@ class Compile(_Group):
         of those sizes replay the specialised code, other sizes the general compile. Each adds one
         compile per distinct piece, at the first call of that size (counted in
         `stats.specialised_compilations`, its seconds in `stats.specialise_s`). Must be among
-        `capture_sizes`. See `cgcompile.compiler`.""")
+        `capture_sizes`. See `cgcompile.build.compiler`.""")
     inductor_options: tuple[tuple[str, Any], ...] = option((), _inductor_options, normalise=_as_option_pairs, doc="""
         Inductor config patches for every compile of a piece, as a dict (e.g.
         {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs. Autotuning
@@ -407,7 +407,7 @@ class Rewrites(_Group):
         `cgcompile.passes.sibling_linears`): at decode sizes small projections run far below the
         GPU's bandwidth, and one larger matmul does not. Costs memory: the concatenated weights are
         copies (`stats.fused_weight_bytes`), kept equal to the parameters on every call
-        (`cgcompile.weights`; a write through `param.data` is not seen: call
+        (`cgcompile.run.weights`; a write through `param.data` is not seen: call
         `Backend.refresh_fused_weights()`). For inference: with grad on, parameters that require
         grad are left out.""")
     all_reduce: str = option("auto", _choice("auto", "nccl"), doc="""
@@ -422,7 +422,7 @@ class Rewrites(_Group):
 class FullGraphOptions(_Group):
     """One CUDA graph of the whole Dynamo graph, split ops included. A call replays it when every
     host value and every input address the split ops read equals the captured one, else it runs
-    piecewise (see `cgcompile.full_graph`). `Config.full_graph` is "auto" by default: each graph
+    piecewise (see `cgcompile.run.full_graph`). `Config.full_graph` is "auto" by default: each graph
     that runs with CUDA graphs and has an eager piece gets `FullGraphOptions(small_query_attention=True)`
     (without small_query_attention under compiler="eager"), any other graph none (see
     `Config.full_graph_for`); None turns full graphs off. The options exist only inside this
@@ -471,7 +471,7 @@ def automatic_full_graph(compiler: str) -> FullGraphOptions:
     Why this is sound as a default: a call replays the full graph only when every host
     value and input address attention reads equals the captured one, and a full graph is
     captured only on the second consecutive call of a size with the same key
-    (`cgcompile.full_graph`); a model whose cache length changes every step never
+    (`cgcompile.run.full_graph`); a model whose cache length changes every step never
     captures one and runs piecewise, as without it."""
     return FullGraphOptions(capturable_split_ops=("attention",), small_query_attention=compiler == "inductor")
 
@@ -484,11 +484,11 @@ class Debug(_Group):
         Write graphs and a split summary here (or set CGCOMPILE_DUMP_DIR); "~" is expanded, and a
         path that cannot be a writable folder is refused at once. Each Backend dumps into a folder
         of its own: `DUMP_DIR` itself for the first, the first free `DUMP_DIR/run_<n>` for any
-        later one (see `cgcompile.dump.claim_run_folder`).""")
+        later one (see `cgcompile.tools.dump.claim_run_folder`).""")
     check_addresses: bool = option(False, _bool, doc="""
         On every replay, check that inputs captured by address still live there, and raise naming
         the piece and input if not. Without it, a call whose parameters moved runs without graphs
-        and graphs are captured again once the new addresses settle (`cgcompile.weights`). Needs CUDA
+        and graphs are captured again once the new addresses settle (`cgcompile.run.weights`). Needs CUDA
         graphs (refused with cudagraphs=False).""")
 
 

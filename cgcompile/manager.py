@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .aot_capture import (
+from .tools.aot_capture import (
     MakeInputs,
     call_with,
     capture_all,
@@ -38,7 +38,7 @@ from .breakable.boundary import resolve_boundary
 from .breakable.integrations import integration_for
 from .breakable.path import BreakablePath, boundary_path
 from .breakable.segments import SEGMENT_KINDS
-from .capture import CaptureSession
+from .run.capture import CaptureSession
 from .config import USE_BREAKABLE_ENV, Config, as_config
 from .errors import ArgumentError, StateError, expect, expected
 

@@ -122,7 +122,7 @@ class SplitOps:
 # graph's own: every tensor it reads is either made inside the graph or lies at the
 # address it was captured with, and every host value (a SymInt argument, a size) equals
 # the captured one. `passes.full_graph_plan` finds those arguments among the graph's
-# inputs and `cgcompile.full_graph` checks them per call; the declaration alone never
+# inputs and `cgcompile.run.full_graph` checks them per call; the declaration alone never
 # replays a stale value.
 #
 # Entries: an op object (`torch.ops.mylib.attention`), a qualified name "ns::op" or

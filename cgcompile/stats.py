@@ -54,7 +54,7 @@ class BackendStats:
     specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)
     # Calls of graphs that have a full-graph plan (Config.full_graph), by path;
-    # why the piecewise ones were, per case (see `cgcompile.full_graph`).
+    # why the piecewise ones were, per case (see `cgcompile.run.full_graph`).
     full_graph_calls: int = 0
     piecewise_calls: int = 0
     piecewise_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -76,7 +76,7 @@ class BackendStats:
     fused_weight_refreshes: int = 0
     # Calls whose parameters or buffers were not where the captured pieces read them (a
     # second instance of the model's class, replaced weights): run without graphs; and
-    # recaptures once new addresses settled (see `cgcompile.weights`).
+    # recaptures once new addresses settled (see `cgcompile.run.weights`).
     calls_with_moved_parameters: int = 0
     parameter_recaptures: int = 0
 

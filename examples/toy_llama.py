@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import cgcompile
-from cgcompile.dump import format_summary, summarize
+from cgcompile.tools.dump import format_summary, summarize
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 

@@ -16,7 +16,7 @@ as real tensors (the model's parameters) into
 Each y_i is made contiguous: the original results were, and code after them may `view`
 them in ways a strided slice does not allow. The fused weights are copies, made here; the
 caller appends them to every call's inputs and keeps them equal to their sources (see
-`cgcompile.weights`). Results agree with the unfused graph to rounding: the matmul
+`cgcompile.run.weights`). Results agree with the unfused graph to rounding: the matmul
 kernel and its reduction order may differ.
 
 Left alone: linears whose weight is not a handed-in tensor (an activation, a weight

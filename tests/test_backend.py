@@ -71,7 +71,7 @@ def test_identical_pieces_compile_once_with_inductor():
 def test_graph_outputs_are_copied_contiguous_only_where_eager_is_contiguous():
     # The copy out of a CUDA graph buffer takes eager's layout when that is contiguous
     # (Inductor may have chosen another); otherwise it keeps the buffer's layout.
-    from cgcompile.phases import _statically_contiguous
+    from cgcompile.build.phases import _statically_contiguous
 
     x = torch.empty(2, 3, 5, 4)
     assert _statically_contiguous(x)
@@ -274,7 +274,7 @@ torch.cuda.synchronize()
 
 @pytest.mark.cuda
 def test_unjoined_side_stream_fails_naming_the_piece():
-    capture = 'cgcompile.capture.CaptureSession((4,)).capture("my_piece", fork_without_join, lambda: (x,))'
+    capture = 'cgcompile.run.capture.CaptureSession((4,)).capture("my_piece", fork_without_join, lambda: (x,))'
     out = capture_error_in_own_process(_FORK_WITHOUT_JOIN, capture)
     assert "CaptureError: capturing my_piece failed" in out, out
 
@@ -312,7 +312,7 @@ def test_a_buffer_the_piece_updates_changes_once_per_call_also_when_capturing():
 def test_release_all_graphs_drops_every_graph_and_the_next_call_recaptures():
     """What distributed.shut_down does before tearing NCCL down: after it no graph of the
     session is alive (none holds its pool), and the model still answers as eager."""
-    from cgcompile.capture import release_all_graphs
+    from cgcompile.run.capture import release_all_graphs
 
     model, backend, compiled = compiled_toy_llama("eager", SIZES)
     ids = dynamic_ids(3)
@@ -346,8 +346,8 @@ def test_a_piece_that_launches_no_kernel_replays_nothing_and_does_not_warn(caplo
     import logging
     import warnings
 
-    from cgcompile.capture import EmptyGraph
-    from cgcompile.graph_piece import CudaGraphPiece
+    from cgcompile.run.capture import EmptyGraph
+    from cgcompile.run.graph_piece import CudaGraphPiece
 
     torch._dynamo.reset()
     model = _KernelFreePiece()

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 import cgcompile
 from cgcompile.compat import fresh_inductor_cache
-from cgcompile.compiler import CompileCache, CompileKey, SizeAssumptions
+from cgcompile.build.compiler import CompileCache, CompileKey, SizeAssumptions
 
 KEY = CompileKey("piece", "def forward(self, x): ...", ("f32[s0, 8]",))
 

@@ -82,7 +82,7 @@ def test_backend_of_an_explicit_backend_compile_names_the_fix():
 
 def test_release_all_graphs_leaves_sessions_without_graphs_alone():
     # On the CPU no session captures, so nothing is cleared (clear() would synchronise CUDA).
-    from cgcompile.capture import CaptureSession, release_all_graphs
+    from cgcompile.run.capture import CaptureSession, release_all_graphs
 
     session = CaptureSession((1, 2))
     assert release_all_graphs() == 0

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import cgcompile
-import cgcompile.compiler
-from cgcompile.compiler import SizeSpecialised
+import cgcompile.build.compiler
+from cgcompile.build.compiler import SizeSpecialised
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 from cgcompile.testing.gpu import compiled_toy_llama, dynamic_ids
 
@@ -42,7 +42,7 @@ def test_compile_sizes_specialise_each_distinct_piece_once_per_size(compiler):
 def test_specialised_code_has_the_size_fixed():
     model, backend, compiled = _compile("eager", compile_sizes=(4,), padding=True)
     _call(model, compiled, 3)
-    specialised = [r.fn for r in backend.runtimes[0].runners if isinstance(r.fn, cgcompile.compiler.SizeSpecialised)]
+    specialised = [r.fn for r in backend.runtimes[0].runners if isinstance(r.fn, cgcompile.build.compiler.SizeSpecialised)]
     assert len(specialised) == 4
     for fn in specialised:
         (gm,) = fn.specialised.values()
@@ -63,14 +63,14 @@ def test_compile_sizes_at_exact_sizes():
 
 def test_inductor_options_reach_every_compile(monkeypatch):
     seen = []
-    real = cgcompile.compiler.inductor_compile
+    real = cgcompile.build.compiler.inductor_compile
 
     def spy(gm, example_inputs, options=None):
         seen.append((all(type(s) is int for x in example_inputs if isinstance(x, torch.Tensor) for s in x.shape),
                      dict(options or {})))
         return real(gm, example_inputs, options)
 
-    monkeypatch.setattr(cgcompile.compiler, "inductor_compile", spy)
+    monkeypatch.setattr(cgcompile.build.compiler, "inductor_compile", spy)
     model, backend, compiled = _compile(
         "inductor", compile_sizes=(4,), padding=True,
         inductor_options={"epilogue_fusion": False}, size_inductor_options={"coordinate_descent_tuning": True},

@@ -5,7 +5,7 @@ import logging
 import torch
 
 import cgcompile
-from cgcompile import phases
+from cgcompile.build import phases
 
 
 def _double(x):
@@ -14,7 +14,7 @@ def _double(x):
 
 def test_inductor_on_cpu_hints_at_the_eager_compiler_once(caplog):
     phases._hint_eager_on_cpu.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="cgcompile.phases"):
+    with caplog.at_level(logging.WARNING, logger="cgcompile.build.phases"):
         for size in (3, 5):  # two Dynamo graphs: one hint
             torch._dynamo.reset()
             torch.compile(_double, backend=cgcompile.Backend())(torch.ones(size))
@@ -27,6 +27,6 @@ def test_inductor_on_cpu_hints_at_the_eager_compiler_once(caplog):
 def test_the_eager_compiler_on_cpu_gives_no_hint(caplog):
     phases._hint_eager_on_cpu.cache_clear()
     torch._dynamo.reset()
-    with caplog.at_level(logging.WARNING, logger="cgcompile.phases"):
+    with caplog.at_level(logging.WARNING, logger="cgcompile.build.phases"):
         torch.compile(_double, backend=cgcompile.Backend(cgcompile.Config(compiler="eager")))(torch.ones(3))
     assert not [r for r in caplog.records if "warms up" in r.getMessage()]

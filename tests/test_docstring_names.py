@@ -4,7 +4,7 @@ A module that is renamed, split or removed leaves its name behind in the prose o
 modules around it, and a reader then looks for a file that is not there. This test reads
 every docstring and comment in cgcompile/ and passes/ and resolves each name of the
 forms a module is named by: a file (`graph_piece.py`, `breakable/runner.py`), a dotted
-path (`cgcompile.breakable.record`, `cgcompile.capture.weak_alias`) and, in backticks, a
+path (`cgcompile.breakable.record`, `cgcompile.run.capture.weak_alias`) and, in backticks, a
 name relative to the library (`breakable_segments.OpReplay`: the flat name of a module
 that now lives in a folder).
 """
@@ -50,6 +50,8 @@ def file_exists(name: str, near: pathlib.Path) -> bool:
     given without a folder, anywhere in the library (`mutation.py` for passes/mutation.py)."""
     if (near.parent / name).exists() or (ROOT / name).exists() or (ROOT / "cgcompile" / name).exists():
         return True
+    if "/" not in name:  # a bare file name: any folder of the library (run/graph_piece.py, passes/split.py)
+        return any(ROOT.glob(f"cgcompile/**/{name}")) or (ROOT / "passes" / name).exists()
     return False
 
 
@@ -67,7 +69,7 @@ def module_file(dotted: str) -> pathlib.Path | None:
 
 def path_exists(dotted: str) -> bool:
     """The longest module prefix of `dotted` exists, and the name after it, if any, is
-    defined or imported in that module (`cgcompile.capture.weak_alias`, `cgcompile.eager_break`)."""
+    defined or imported in that module (`cgcompile.run.capture.weak_alias`, `cgcompile.eager_break`)."""
     parts = dotted.split(".")
     for end in range(len(parts), 0, -1):
         found = module_file(".".join(parts[:end]))
@@ -104,7 +106,7 @@ def test_docstrings_and_comments_name_only_modules_that_exist():
     ('"""Runs the pieces (see `breakable/old_runner.py`)."""', "breakable/old_runner.py"),
     ("# moved from signature_v2.py", "signature_v2.py"),
     ('"""The rule lives in `cgcompile.passes.split_rules`."""', "cgcompile.passes.split_rules"),
-    ('"""`cgcompile.capture.no_such_function` makes it."""', "cgcompile.capture.no_such_function"),
+    ('"""`cgcompile.run.capture.no_such_function` makes it."""', "cgcompile.run.capture.no_such_function"),
     ('"""Replays an op (`breakable_segments.OpReplay`)."""', "breakable_segments"),
     ('"""The recorder (see `breakable_record`)."""', "breakable_record"),
 ])
@@ -115,7 +117,7 @@ def test_a_stale_name_is_found(tmp_path, text, stale):
 
 
 @pytest.mark.parametrize("text", [
-    '"""See `graph_piece.py`, `breakable/runner.py`, passes/split.py and `cgcompile.capture.weak_alias`."""',
+    '"""See `graph_piece.py`, `breakable/runner.py`, passes/split.py and `cgcompile.run.capture.weak_alias`."""',
     '"""Writes DUMP_DIR/graph_<i>/split.py; calls torch.ops.cgcompile.all_reduce."""',
     '"""Binds `capture.weak_alias` and `breakable.segments` beside `torch.cat` and `self.graphs`."""',
 ])

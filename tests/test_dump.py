@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile import dump
+from cgcompile.tools import dump
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 

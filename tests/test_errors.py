@@ -21,9 +21,9 @@ from torch import nn
 
 import cgcompile
 from cgcompile import ArgumentError, CaptureError, CGCompileError, Config, ConfigError, StateError
-from cgcompile import aot_capture
+from cgcompile.tools import aot_capture
 from cgcompile.config import FLAT_NAMES, MAX_CAPTURE_SIZE
-from cgcompile.inspect import summaries
+from cgcompile.tools.inspect_dump import summaries
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgcompile
-from cgcompile import phases
-from cgcompile.capture import CaptureSession
-from cgcompile.compiler import EagerPieceCompiles, PieceCompiler
-from cgcompile.recovery import UncapturableOps
+from cgcompile.build import phases
+from cgcompile.run.capture import CaptureSession
+from cgcompile.build.compiler import EagerPieceCompiles, PieceCompiler
+from cgcompile.run.recovery import UncapturableOps
 from cgcompile.testing.models import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
 
 FULL = cgcompile.Config(compiler="eager", capturable_split_ops=("attention",))
@@ -456,7 +456,7 @@ def _counting_compile(monkeypatch) -> list:
         compiled.append([a for a in args if not isinstance(a, torch.Tensor)])
         return lambda *a: gm(*a)
 
-    monkeypatch.setattr("cgcompile.compiler.compile_at_shapes", compile_as_fx)
+    monkeypatch.setattr("cgcompile.build.compiler.compile_at_shapes", compile_as_fx)
     return compiled
 
 
@@ -484,7 +484,7 @@ def test_a_failed_whole_graph_compile_captures_the_pieces_code(monkeypatch, capl
     def fail(gm, args, options, cudnn_attention):
         raise RuntimeError("no lowering for this op")
 
-    monkeypatch.setattr("cgcompile.compiler.compile_at_shapes", fail)  # the pieces' compiles still work
+    monkeypatch.setattr("cgcompile.build.compiler.compile_at_shapes", fail)  # the pieces' compiles still work
     caplog.set_level(logging.WARNING, logger="cgcompile")
     torch.manual_seed(0)
     model = StaticCacheDecoder().eval()
@@ -508,7 +508,7 @@ def test_full_graph_compile_beside_eager_pieces_is_the_only_compile(monkeypatch)
         compiled.append(gm)
         return lambda *a: gm(*a)
 
-    monkeypatch.setattr("cgcompile.compiler.inductor_compile", compile_as_fx)
+    monkeypatch.setattr("cgcompile.build.compiler.inductor_compile", compile_as_fx)
     model = StaticCacheDecoder().eval()
     eager = decode_steps(copy.deepcopy(model), 4)
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",),

@@ -376,7 +376,7 @@ def test_prefill_captures_over_the_prompt_length():
 # included: its sliding-window cache keeps `cat([keys, new])[:, :, -(window - 1):]`, a view
 # whose strides follow the concatenation's length, so decode step 2 fails graph 1's stride
 # guard. On CUDA that view shares a captured piece's output memory, and the runtime returns
-# it as a copy with the view's own strides (cgcompile/runtime.py, `copy_with_strides`): the
+# it as a copy with the view's own strides (cgcompile/run/runtime.py, `copy_with_strides`): the
 # same layout as eager's, hence the same graphs.
 GRAPHS_SEEN = {"llama": 3, "qwen2": 3, "mistral": 3, "gpt2": 3}
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import cgcompile
-from cgcompile.capture import HostTensorError, refuse_host_tensors
+from cgcompile.run.capture import HostTensorError, refuse_host_tensors
 
 SIZES = (1, 3, 8, 1)
 DEFENCE = "expected every tensor input of a captured piece on the GPU"
@@ -70,7 +70,7 @@ def test_host_values_in_cuda_ops_match_eager(compiler, caplog, exact_fp32_matmul
 def test_a_cpu_tensor_the_split_rule_missed_fails_its_capture_and_the_piece_runs_eagerly(monkeypatch, caplog):
     # A split rule that forgot cpu_tensor: the capture-time check stops the capture, and
     # recovery runs the piece eagerly (a captured graph would replay the first scale).
-    from cgcompile import phases
+    from cgcompile.build import phases
 
     classify = phases.classify_nodes
 

@@ -6,8 +6,9 @@ from html.parser import HTMLParser
 import torch
 
 import cgcompile
-from cgcompile import MemoryPlan, SizePlan, inspect
-from cgcompile.memory_plan import write_plan
+from cgcompile import MemoryPlan, SizePlan
+from cgcompile.tools import inspect_dump as inspect
+from cgcompile.tools.memory_plan import write_plan
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
 ATTENTION_REASON = "attn: scaled_dot_product_attention is split by default (attention) [split_op]"

@@ -12,8 +12,8 @@ from torch import nn
 
 import cgcompile
 from cgcompile import ArgumentError, Config, MemoryPlan, SizePlan
-from cgcompile.memory_plan import fitting_sizes, format_plan, read_plans, write_plan
-from cgcompile.buffers import PaddingTable
+from cgcompile.tools.memory_plan import fitting_sizes, format_plan, read_plans, write_plan
+from cgcompile.run.buffers import PaddingTable
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 from cgcompile.testing.gpu import private_pools
 from cgcompile.testing.hf_models import tiny_model
@@ -156,7 +156,7 @@ def test_a_broken_plan_file_is_named(tmp_path):
 
 def test_profile_drops_sizes_that_do_not_fit_alone_and_stops_past_the_budget(monkeypatch):
     """The choice profile_plan makes from measured pools, with the measuring faked (it needs CUDA)."""
-    from cgcompile import aot_capture, memory_plan
+    from cgcompile.tools import aot_capture, memory_plan
 
     calls = []
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import cgcompile
 from cgcompile.passes import example_value, values_sharing_memory
-from cgcompile.runtime import copy_with_strides
+from cgcompile.run.runtime import copy_with_strides
 from cgcompile.testing.models import SILLY_OP
 from cgcompile.testing.fx import traced
 

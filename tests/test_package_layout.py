@@ -22,11 +22,25 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
-    """The library modules `name` imports anywhere in its file."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (names for annotations, never run)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            found |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict, *, types: bool = True) -> set[str]:
+    """The library modules `name` imports anywhere in its file (types: those imported for
+    annotations only, under TYPE_CHECKING, too)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = set() if types else _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -39,9 +53,9 @@ def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
     return targets - {name}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(*, types: bool = True) -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(name, path, modules) for name, path in modules.items()}
+    return {name: _imports(name, path, modules, types=types) for name, path in modules.items()}
 
 
 def test_the_passes_import_nothing_from_the_library():
@@ -70,23 +84,53 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
+def _engine(graph) -> list[str]:
+    """Every library module but the test tools, the passes and the fuzzer's command."""
+    return [name for name in graph if name.startswith("cgcompile")
+            and not name.startswith(("cgcompile.testing", "cgcompile.passes", "cgcompile.fuzz"))]
+
+
 def test_the_engine_does_not_import_its_test_tools_or_orchestrators():
     graph = _graph()
-    engine = [name for name in graph if name.startswith(ENGINE_ROOMS) or name.count(".") == 1
-              and not name.startswith(("cgcompile.testing", "cgcompile.passes", "cgcompile.fuzz"))]
+    engine = _engine(graph)
     tools = {(a, b) for a in engine for b in graph[a] if b.startswith("cgcompile.testing")}
     assert not tools, f"the engine imports the test tools: {sorted(tools)}"
     # Lower rooms never reach the orchestrators above them.
-    above = {"cgcompile.backend", "cgcompile.manager", "cgcompile.phases"}
-    lower = [name for name in engine if name not in above | {"cgcompile.inspect"}]
+    above = {"cgcompile", "cgcompile.backend", "cgcompile.manager", "cgcompile.build.phases"}
+    lower = [name for name in engine if name not in above | {"cgcompile.inspect", "cgcompile.build"}]
     up = {(a, b) for a in lower for b in graph[a] & above}
     assert not up, f"imports that run back up to an orchestrator: {sorted(up)}"
+
+
+# What each layer may not import (docs/architecture.md): compile time (build/) makes what runs
+# per call (run/); the tools read both; nothing below reaches the Backend or the manager.
+LAYER_RULES = {
+    "cgcompile.run": ("cgcompile.build", "cgcompile.tools", "cgcompile.backend", "cgcompile.manager"),
+    "cgcompile.build": ("cgcompile.tools", "cgcompile.backend", "cgcompile.manager"),
+    "cgcompile.tools": ("cgcompile.backend", "cgcompile.manager"),
+}
+
+
+def test_each_layer_imports_only_what_lies_below_it():
+    """Run-time imports; a name for an annotation (TYPE_CHECKING) is no dependency."""
+    graph = _graph(types=False)
+    wrong = sorted((a, b) for a, imported in graph.items() for layer, banned in LAYER_RULES.items()
+                   if a == layer or a.startswith(layer + ".") for b in imported
+                   if any(b == x or b.startswith(x + ".") for x in banned))
+    assert not wrong, f"imports that cross a layer upward: {wrong}"
+
+
+def test_the_top_level_holds_the_public_api_and_few_modules():
+    top = sorted(p.stem for p in (ROOT / "cgcompile").glob("*.py") if p.stem != "__init__")
+    assert len(top) <= 10, f"cgcompile/ holds {len(top)} modules ({top}); put new ones in a layer's folder"
+    for layer in ("build", "run", "tools"):
+        assert (ROOT / "cgcompile" / layer / "__init__.py").exists(), layer
 
 
 def test_the_memory_plan_is_handed_what_it_reads():
     """Its functions take the session, runtimes, runners and a probe factory (`GraphOwner`),
     never the Backend: a parameter named `backend` is the Backend coming back in."""
-    path = ROOT / "cgcompile" / "memory_plan.py"
+    path = ROOT / "cgcompile" / "tools" / "memory_plan.py"
     taking = [f"{node.name} (line {node.lineno})" for node in ast.walk(ast.parse(path.read_text()))
               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
               and "backend" in {a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)}]
@@ -109,15 +153,11 @@ PATCH_ALLOWED = {
     ("cgcompile/breakable/signature.py", "state.full_warned"): "SignatureRule's own per-size record (`_SizeState`)",
     ("cgcompile/breakable/transformers.py", "setattr(cache_utils.Cache, ...)"):
         "transformers' Cache methods hooked only while a call is recorded, restored after (the integration)",
-    ("cgcompile/capture.py", "wrapped.device"): "as_pool builds a GraphPool around a raw handle (construction)",
-    ("cgcompile/capture.py", "wrapped.handle"): "as_pool builds a GraphPool around a raw handle (construction)",
+    ("cgcompile/run/capture.py", "wrapped.device"): "as_pool builds a GraphPool around a raw handle (construction)",
+    ("cgcompile/run/capture.py", "wrapped.handle"): "as_pool builds a GraphPool around a raw handle (construction)",
     ("cgcompile/parallel/distributed.py", "timer.daemon"): "a threading.Timer made daemon before it starts",
-    ("cgcompile/replay_plan.py", "replay.source"): "a generated replay function keeps its source, where it is made",
+    ("cgcompile/run/replay_plan.py", "replay.source"): "a generated replay function keeps its source, where it is made",
     ("cgcompile/config.py", "__init__.__signature__"): "the signature help(Config) shows, set in the class body",
-    # Still to be removed (issue 42's run half): capture recovery finishes the running call without
-    # graphs by re-pointing that call's stitch namespace (the stitch's own object, made by it).
-    ("cgcompile/runtime.py", "running.__dict__.update(...)"):
-        "still to be removed: recovery re-points the running call's stitch namespace at runners without graphs",
 }
 
 

@@ -6,7 +6,7 @@ fake graphs (the pool's bytes need CUDA: the GPU tests of test_memory_plan measu
 import torch
 
 import cgcompile
-from cgcompile.aot_capture import capture_all
+from cgcompile.tools.aot_capture import capture_all
 from cgcompile.testing import fake_graphs
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 

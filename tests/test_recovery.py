@@ -6,7 +6,7 @@ import torch
 from torch.fx import Interpreter
 
 import cgcompile
-from cgcompile import recovery
+from cgcompile.run import recovery
 from cgcompile.testing import fake_graphs
 
 LIB = torch.library.Library("cgcompile_recovery_test", "DEF")

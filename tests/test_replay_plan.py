@@ -1,4 +1,4 @@
-"""Replay plans (`cgcompile.replay_plan`): a straight-line replay per call size.
+"""Replay plans (`cgcompile.run.replay_plan`): a straight-line replay per call size.
 
 On the CPU through fake graphs (`fake_graphs.fake_cuda_graphs`): a fake replay recomputes
 the piece from its static input buffers into its static outputs, so a plan that left a
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile import replay_plan
-from cgcompile.replay_plan import ReplayPlans, build_plan
+from cgcompile.run import replay_plan
+from cgcompile.run.replay_plan import ReplayPlans, build_plan
 from cgcompile.testing import fake_graphs, fuzz, gpu
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
@@ -290,7 +290,7 @@ def test_a_plan_that_cannot_be_made_warns_once_and_the_stitch_runs(monkeypatch, 
 
     monkeypatch.setattr(replay_plan, "_write_replay", broken)
     model, backend, compiled = _toy()
-    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="cgcompile.replay_plan"):
+    with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="cgcompile.run.replay_plan"):
         for seed, n in enumerate((3, 3, 3, 5, 5, 3, 5)):
             torch.testing.assert_close(compiled(_ids(n, seed)), model(_ids(n, seed)), **CLOSE)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -6,10 +6,11 @@ import torch
 from torch.fx import Interpreter
 
 import cgcompile
-from cgcompile import phases, recovery
-from cgcompile.full_graph import FullGraph
-from cgcompile.replay_plan import ReplayPlans
-from cgcompile.runtime import CallSize, PieceCaptureFailed, PieceRunner, SplitPiece, Stitch
+from cgcompile.build import phases
+from cgcompile.run import recovery
+from cgcompile.run.full_graph import FullGraph
+from cgcompile.run.replay_plan import ReplayPlans
+from cgcompile.run.runtime import CallSize, PieceCaptureFailed, PieceRunner, SplitPiece, Stitch
 from cgcompile.testing import fake_graphs
 
 LIB = torch.library.Library("cgcompile_runtime_test", "DEF")

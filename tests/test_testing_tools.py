@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.capture import CaptureSession, CudaGraphs
+from cgcompile.run.capture import CaptureSession, CudaGraphs
 from cgcompile.testing import fake_graphs, numerics
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgcompile
-from cgcompile.phases import NEEDS_GRADIENTS
+from cgcompile.build.phases import NEEDS_GRADIENTS
 from cgcompile.testing import fake_graphs
 from cgcompile.testing.models import SILLY_OP, ToyLlama
 
@@ -90,7 +90,7 @@ def test_training_matches_eager_without_capturing(monkeypatch):
 
 
 def test_the_dump_says_why_a_training_graph_is_not_captured(monkeypatch):
-    from cgcompile import dump
+    from cgcompile.tools import dump
 
     fake_graphs.fake_cuda_graphs(monkeypatch)
     eager, compiled, backend = _models()

@@ -4,7 +4,7 @@ import logging
 
 import torch
 
-from cgcompile.weights import ParameterAddresses
+from cgcompile.run.weights import ParameterAddresses
 
 
 def _watch(drops: list) -> ParameterAddresses:
@@ -56,7 +56,7 @@ class _Wrapper(torch.Tensor):
 
 
 def test_tensors_without_storage_are_not_checked():
-    from cgcompile.weights import has_address
+    from cgcompile.run.weights import has_address
 
     assert has_address(torch.nn.Parameter(torch.zeros(3)))
     assert not has_address(_Wrapper(torch.zeros(3)))

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..capture import CaptureSession
+from ..run.capture import CaptureSession
 from ..config import Config
 from .boundary import resolve_boundary
 from .runner import BreakableRunner

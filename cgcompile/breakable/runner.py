@@ -61,12 +61,12 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.utils import _pytree as pytree
 
-from ..buffers import SharedStatics, SizePolicy, StaticInput, padded_rows_copy
-from ..capture import CaptureSession
+from ..run.buffers import SharedStatics, SizePolicy, StaticInput, padded_rows_copy
+from ..run.capture import CaptureSession
 from ..config import Config
 from ..errors import expect
 from ..ops import call_without_cudnn_attention
-from ..weights import ModuleTensors, ParameterAddresses
+from ..run.weights import ModuleTensors, ParameterAddresses
 from .record import Recorder, recording, replay_steps, run_as_eager_break
 from .segments import SEGMENT_KINDS, observer_for, segments_for
 from .signature import Action, Signature, SignatureRule, flatten_call, unflatten_call

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ..capture import CaptureSession, gc_paused
+from ..run.capture import CaptureSession, gc_paused
 
 SEGMENT_KINDS = ("cuda_graphs", "op_replay")
 

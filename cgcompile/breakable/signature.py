@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..capture import Mode
+from ..run.capture import Mode
 
 log = logging.getLogger(__name__)
 

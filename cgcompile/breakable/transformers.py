@@ -47,7 +47,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from transformers import cache_utils, modeling_utils
 
-from ..capture import CaptureSession
+from ..run.capture import CaptureSession
 from ..config import Config
 from .boundary import layers_of, resolve_boundary
 from .path import BreakablePath

@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..capture import release_all_graphs
+from ..run.capture import release_all_graphs
 from ..errors import DistributedError, expect
 from .all_reduce_choice import NCCL, AllReduceChoice, GroupFacts, choose_for_group
 from .symm_all_reduce import GROUPS, FastGroup, allocate_buffers, symm_mem_problem

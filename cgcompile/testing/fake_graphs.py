@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from cgcompile.capture import CaptureSession, CudaGraphs
-from cgcompile.errors import CaptureError
+from ..run.capture import CaptureSession, CudaGraphs
+from ..errors import CaptureError
 
 
 class FakeGraph:

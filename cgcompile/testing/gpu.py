@@ -7,7 +7,7 @@ import sys
 import torch
 
 import cgcompile
-from cgcompile.testing.models import SILLY_OP, ToyLlama
+from .models import SILLY_OP, ToyLlama
 
 
 def private_pools() -> set[tuple[int, int]]:

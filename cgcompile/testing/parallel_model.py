@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from cgcompile.testing.decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, static_attention
+from .decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, static_attention
 
 
 def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import cgcompile
 import cgcompile.inspect
 from cgcompile.breakable.record import EagerStep, Recorder
 from cgcompile.breakable.signature import flatten_call
-from cgcompile.capture import Mode
+from cgcompile.run.capture import Mode
 from cgcompile.testing.models import ACCUMULATE_OP, SILLY_OP, ToyLlama
 from cgcompile.testing.gpu import capture_error_in_own_process, private_pools
 from cgcompile.testing.hf_models import tiny_llama

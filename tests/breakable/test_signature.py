@@ -16,7 +16,7 @@ from cgcompile.breakable.signature import (
     leaf_names,
     unflatten_call,
 )
-from cgcompile.capture import Mode
+from cgcompile.run.capture import Mode
 
 
 class Cache:  # stands in for a live object (a transformers cache)

@@ -17,7 +17,7 @@ from cgcompile.parallel.all_reduce_choice import (
     FAST, NCCL, ONE_SHOT, ONE_SHOT_MAX_BYTES, TWO_SHOT, TWO_SHOT_MAX_BYTES, GroupFacts, choose_for_group,
     kind_for_call,
 )
-from cgcompile.compiler import PieceCompiler
+from cgcompile.build.compiler import PieceCompiler
 from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route_graph_all_reduces
 from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, all_reduce_pass
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile.capture import CaptureSession
+from cgcompile.run.capture import CaptureSession
 from cgcompile.errors import DistributedError
 from cgcompile.parallel.distributed import torchrun_worker
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers

@@ -156,7 +156,7 @@ def test_exact_size_limit_runs_new_sizes_without_graphs(caplog):
 def test_exact_sizes_always_admit_the_capture_sizes():
     # Ahead-of-time capture goes largest first: with the capture sizes counted against the
     # limit, the smallest (decode's) were left without graphs.
-    from cgcompile.buffers import PaddingTable, SizePolicy
+    from cgcompile.run.buffers import PaddingTable, SizePolicy
 
     sizes = cgcompile.Config().sizes.capture_sizes
     policy = SizePolicy(PaddingTable(sizes), exact=True, limit=2, name="g")

@@ -162,7 +162,7 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole, compiler):
 
 
 def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
-    from cgcompile.compiler import EagerPieceCompiles
+    from cgcompile.build.compiler import EagerPieceCompiles
 
     compiled = []
 
@@ -170,7 +170,7 @@ def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
         compiled.append(tuple(a.shape for a in args))
         return gm
 
-    monkeypatch.setattr("cgcompile.compiler.inductor_compile", compile_as_fx)
+    monkeypatch.setattr("cgcompile.build.compiler.inductor_compile", compile_as_fx)
     mask = torch.ones(1, 1, 1, 32, dtype=torch.bool)
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 4, 32, 8), torch.randn(1, 4, 32, 8)
     compiles = EagerPieceCompiles({}, cudnn_attention=True)

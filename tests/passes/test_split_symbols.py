@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import cgcompile
-from cgcompile.recovery import Uncapturable, split_at_node
+from cgcompile.run.recovery import Uncapturable, split_at_node
 from cgcompile.passes import SplitReason, example_value, split_graph
 from cgcompile.testing.models import SILLY_OP
 

@@ -26,7 +26,7 @@ class PaddingTable:
     """Lookup from a runtime size to its capture size (None above the largest).
 
     A binary search over the sorted sizes: memory does not grow with the largest size.
-    `use` narrows the sizes to those a budgeted capture kept (see `cgcompile.memory_plan`);
+    `use` narrows the sizes to those a budgeted capture kept (see `cgcompile.tools.memory_plan`);
     `configured` stays the Config's sizes.
     """
 

@@ -41,11 +41,11 @@ import torch
 from .buffers import (StaticBuffer, TracedLayout, copy_rows, empty_like_strided, fill_all, narrow_all,
                       padded_shape)
 from .capture import CaptureSession, Mode, weak_alias
-from .errors import CaptureError
-from .passes import example_value, written_inputs
+from ..errors import CaptureError
+from ..passes import example_value, written_inputs
 from .replay_plan import CapturedGraph
 from .runtime import PieceCaptureFailed, PieceRunner
-from .stats import RunCounts
+from ..stats import RunCounts
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One CUDA graph for a whole Dynamo graph, chosen per call beside its piecewise graphs.
 
-`FullGraph` is the first of the runtime's three executors (see `cgcompile.runtime`): it
+`FullGraph` is the first of the runtime's three executors (see `cgcompile.run.runtime`): it
 declines a call (returns None) that must run piecewise, and the replay plan or the
 stitch runs it.
 
@@ -42,14 +42,14 @@ import torch
 
 from .buffers import StaticBuffer, empty_like_strided, fill_all
 from .capture import CaptureSession, Mode, weak_alias
-from .errors import CaptureError
-from .ops import call_without_cudnn_attention
-from .passes import FullGraphPlan
+from ..errors import CaptureError
+from ..ops import call_without_cudnn_attention
+from ..passes import FullGraphPlan
 from .runtime import OutputCopy, PieceRunner, _StitchNamespace, copy_out, submodule_name
-from .stats import RunCounts
+from ..stats import RunCounts
 
 if TYPE_CHECKING:
-    from .compiler import EagerPieceCompiles, FullGraphCode
+    from ..build.compiler import EagerPieceCompiles, FullGraphCode
 
 log = logging.getLogger(__name__)
 

@@ -45,11 +45,11 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 
-from .compat import (free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
+from ..compat import (free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
                      value_range_within)
-from .ops import call_without_cudnn_attention
-from .parallel.inductor_all_reduce import all_reduce_pass, compiling_with
-from .passes import PieceSpec, example_value, free_symbols, lower_small_query_attention
+from ..ops import call_without_cudnn_attention
+from ..parallel.inductor_all_reduce import all_reduce_pass, compiling_with
+from ..passes import PieceSpec, example_value, free_symbols, lower_small_query_attention
 
 log = logging.getLogger(__name__)
 

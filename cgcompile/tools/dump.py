@@ -19,8 +19,8 @@ import os
 
 from torch._dynamo.utils import lazy_format_graph_code
 
-from .errors import ArgumentError, expect, expected
-from .stats import Piece
+from ..errors import ArgumentError, expect, expected
+from ..stats import Piece
 
 # reason: why eager, why compiled but never captured (gradients), or why unsafe to pad
 SUMMARY_COLUMNS = ("piece", "capturable", "nodes", "inputs", "reason")

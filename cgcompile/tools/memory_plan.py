@@ -42,10 +42,10 @@ from typing import Any, Callable, Sequence
 
 from . import aot_capture
 from .aot_capture import MakeInputs, capture_all, check_capture_call, require_cuda_graphs, requested_sizes
-from .capture import CaptureSession
+from ..run.capture import CaptureSession
 from .dump import read_json
-from .stats import Piece
-from .errors import CaptureError, expect, expected
+from ..stats import Piece
+from ..errors import CaptureError, expect, expected
 
 log = logging.getLogger(__name__)
 

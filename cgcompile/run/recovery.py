@@ -27,11 +27,11 @@ import torch
 from torch.fx import GraphModule, Interpreter, Node
 
 from .capture import CaptureSession, end_capture, gc_paused
-from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
-from .errors import CaptureError
-from .passes import SplitGraph, SplitReason, is_floating, split_graph
+from ..compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
+from ..errors import CaptureError
+from ..passes import SplitGraph, SplitReason, is_floating, split_graph
 from .runtime import PieceCaptureFailed, PieceRunner, Resplit
-from .stats import PieceRecords
+from ..stats import PieceRecords
 
 log = logging.getLogger(__name__)
 

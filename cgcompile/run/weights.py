@@ -25,7 +25,7 @@ import operator
 from typing import Callable, Sequence
 
 import torch
-from .passes import FusedInput
+from ..passes import FusedInput
 
 log = logging.getLogger(__name__)
 

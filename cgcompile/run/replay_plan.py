@@ -22,7 +22,7 @@ its alias as long as the graph exists; plans are dropped whenever a graph of the
 is captured or dropped, or a runner is replaced (`CaptureSession.graphs_changed`), and
 run only while the session captures lazily (never during an ahead-of-time capture).
 
-`ReplayPlans` is one of the runtime's three executors (see `cgcompile.runtime`): it
+`ReplayPlans` is one of the runtime's three executors (see `cgcompile.run.runtime`): it
 declines a call (returns None) until a plan of the call's (n, N) can be made, and the
 stitch runs it instead.
 """

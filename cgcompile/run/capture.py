@@ -24,9 +24,9 @@ from typing import Any, Callable
 import torch
 
 from .buffers import LiveBuffers, PaddingTable
-from .compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
-from .errors import CaptureError, describe
-from .passes import tensors_in
+from ..compat import end_pool_allocation, release_cublas_workspaces, reset_generators_after_failed_capture
+from ..errors import CaptureError, describe
+from ..passes import tensors_in
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class CaptureSession:
         self.check_addresses = check_addresses
         self.mode = Mode.LAZY
         # False after a capture under a memory budget: a call that finds no graph for its
-        # size runs without one instead of capturing it lazily (see `cgcompile.memory_plan`).
+        # size runs without one instead of capturing it lazily (see `cgcompile.tools.memory_plan`).
         self.lazy_capture = True
         self.graphs_captured = 0
         self._plans: "weakref.WeakSet" = weakref.WeakSet()  # runtimes' replay plans (`graphs_changed`)
@@ -403,14 +403,14 @@ class CaptureSession:
 
     def keep_only(self, sizes) -> None:
         """Pad calls to `sizes` from now on and capture no graph lazily (a capture under a
-        memory budget, `cgcompile.memory_plan`); `clear` lifts both."""
+        memory budget, `cgcompile.tools.memory_plan`); `clear` lifts both."""
         self.padding.use(sizes)
         self.lazy_capture = False
 
     @contextlib.contextmanager
     def probe(self):
         """This session, capturing into a temporary pool of its own meanwhile: what a
-        capture costs is measured there (`cgcompile.memory_plan`). On leaving, every graph
+        capture costs is measured there (`cgcompile.tools.memory_plan`). On leaving, every graph
         captured meanwhile is dropped, the temporary pool released, and the session
         captures into its own pool again, with its counts and settings as before.
 

@@ -17,16 +17,16 @@ from typing import Callable
 
 import torch
 
-from .buffers import SizePolicy, TracedLayout
-from .capture import CaptureSession
-from .compat import is_static_address
+from ..run.buffers import SizePolicy, TracedLayout
+from ..run.capture import CaptureSession
+from ..compat import is_static_address
 from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
-from .config import AUTO, Config, FullGraphOptions
-from .errors import ConfigError
-from .full_graph import FullGraph, plain_function
-from .graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
-from .parallel.fast_all_reduce import route_graph_all_reduces
-from .passes import (
+from ..config import AUTO, Config, FullGraphOptions
+from ..errors import ConfigError
+from ..run.full_graph import FullGraph, plain_function
+from ..run.graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
+from ..parallel.fast_all_reduce import route_graph_all_reduces
+from ..passes import (
     CaptureDim,
     FullGraphPlan,
     SplitGraph,
@@ -43,10 +43,10 @@ from .passes import (
     split_graph,
     values_sharing_memory,
 )
-from .recovery import PieceRecovery, UncapturableOps
-from .runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
-from .stats import Piece, PieceRecords
-from .weights import FusedCopies, FusedWeights, has_address
+from ..run.recovery import PieceRecovery, UncapturableOps
+from ..run.runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
+from ..stats import Piece, PieceRecords
+from ..run.weights import FusedCopies, FusedWeights, has_address
 
 log = logging.getLogger(__name__)
 

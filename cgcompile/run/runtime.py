@@ -40,10 +40,10 @@ import torch
 
 from .buffers import overlaps
 from .buffers import SizePolicy
-from .errors import CaptureError
-from .ops import call_without_cudnn_attention
+from ..errors import CaptureError
+from ..ops import call_without_cudnn_attention
 from .replay_plan import ReplayPlans
-from .stats import RunCounts, total
+from ..stats import RunCounts, total
 from .weights import FusedWeights, ParameterAddresses
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,10 @@ class _StitchNamespace:
 
     def __init__(self, stitch: torch.fx.GraphModule, calls: dict[str, Callable]):
         self._stitch = stitch
+        self.bind(calls)
+
+    def bind(self, calls: dict[str, Callable]) -> None:
+        """Reach the pieces through `calls` from now on (the code running holds this object)."""
         self.__dict__.update(calls)
 
     def __getattr__(self, name: str):
@@ -274,7 +278,7 @@ class Stitch:
                 runner.inner.without_graphs(n, size)
         running = self._namespaces.get((n, size))
         if running is not None:
-            running.__dict__.update(self.calls(n, None))
+            running.bind(self.calls(n, None))
         self._namespaces.clear()
 
     def leaf_runners(self) -> list[PieceRunner]:

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .capture import CaptureSession, Mode
-from .capture import GraphPool
-from .errors import CaptureError, CGCompileError, ConfigError, expect, expected
+from ..run.capture import CaptureSession, Mode
+from ..run.capture import GraphPool
+from ..errors import CaptureError, CGCompileError, ConfigError, expect, expected
 
 log = logging.getLogger(__name__)
 
