@@ -32,9 +32,9 @@ job() {  # job NAME COMMAND...: run in the background under the time limit, log 
 # The cuda tests in three shards, so that none outlasts the limit (the 2-GPU tests skip on one GPU).
 PYTEST=(python3 -m pytest -q -m cuda -p no:cacheprovider)
 SHARD_HF=(tests/test_hf_generate.py tests/test_hf_full_graph.py tests/breakable/test_transformers.py)
-SHARD_GRAPHS=(tests/test_backend.py tests/test_full_graph.py tests/test_recovery.py tests/test_compile_sizes.py)
+SHARD_GRAPHS=(tests/test_backend.py tests/run/test_full_graph.py tests/run/test_recovery.py tests/build/test_compile_sizes.py)
 # The cuda tests that each fix of a model family brings (training, host tensors, split symbols, plans).
-SHARD_MODELS=(tests/test_training.py tests/test_host_tensors.py tests/passes tests/test_replay_plan.py
+SHARD_MODELS=(tests/test_training.py tests/test_host_tensors.py tests/passes tests/run/test_replay_plan.py
   tests/test_padding.py tests/test_output_aliases.py)
 job pytest_hf "${PYTEST[@]}" "${SHARD_HF[@]}"
 job pytest_graphs "${PYTEST[@]}" "${SHARD_GRAPHS[@]}"
