@@ -8,8 +8,8 @@
 #   OUT=/tmp/out bash benchmarks/gpu_verify.sh [seconds per job, default 500]
 #   ONLY="pytest_graphs zoo_a" OUT=/tmp/out bash benchmarks/gpu_verify.sh 240   # named jobs only
 #
-# Every job at once is about 37 processes: on a 16-core host most outlast a 440 s limit. Within
-# one 10-minute call, name at most about 14 jobs with ONLY.
+# Every job at once is about 40 processes: on a 16-core host most outlast a 440 s limit. Within
+# one 10-minute call, name at most about 15 jobs with ONLY.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -71,6 +71,12 @@ job zoo_ssm_b "${ZOO[@]}" --json "$LOGS/zoo_ssm_b.json" \
   --models zamba2,bamba,falcon_h1,recurrent_gemma,granitemoehybrid
 job zoo_seq2seq "${ZOO[@]}" --json "$LOGS/zoo_seq2seq.json" --models seq2seq
 job zoo_encoders "${ZOO[@]}" --json "$LOGS/zoo_encoders.json" --models encoder,vision,audio
+# The same zoo in float32 with the eager piece compiler (FX code in the CUDA graphs): the split
+# and the graphs alone, without Inductor's rounding.
+ZOO_EAGER=("${ZOO[@]}" --compiler eager)
+job zoo_eager_decoder "${ZOO_EAGER[@]}" --json "$LOGS/zoo_eager_decoder.json" --models decoder
+job zoo_eager_moe_ssm "${ZOO_EAGER[@]}" --json "$LOGS/zoo_eager_moe_ssm.json" --models moe,ssm
+job zoo_eager_encoders "${ZOO_EAGER[@]}" --json "$LOGS/zoo_eager_encoders.json" --models seq2seq,encoder,vision,audio
 # The language models in bfloat16 with the eager piece compiler (FX code in the CUDA graphs).
 ZOO_BF16=("${ZOO[@]}" --dtype bfloat16 --compiler eager)
 job zoo_bf16_decoder "${ZOO_BF16[@]}" --json "$LOGS/zoo_bf16_decoder.json" --models decoder
@@ -92,7 +98,7 @@ job zoo_beyond_images "${BEYOND[@]}" --json "$LOGS/zoo_beyond_images.json" \
   --models classification,video,optical_flow
 job zoo_beyond_segmentation "${BEYOND[@]}" --json "$LOGS/zoo_beyond_segmentation.json" --models segmentation
 job zoo_beyond_detect_a "${BEYOND[@]}" --json "$LOGS/zoo_beyond_detect_a.json" \
-  --models fasterrcnn_mobilenet,maskrcnn_resnet50
+  --models fasterrcnn_mobilenet,maskrcnn_resnet50 --reference inductor  # Mask R-CNN: docs/upstream.md
 job zoo_beyond_detect_b "${BEYOND[@]}" --json "$LOGS/zoo_beyond_detect_b.json" --models retinanet_resnet50,ssdlite320
 job zoo_beyond_audio "${BEYOND[@]}" --json "$LOGS/zoo_beyond_audio.json" --models torchaudio
 job zoo_beyond_graph "${BEYOND[@]}" --json "$LOGS/zoo_beyond_graph.json" --models torch_geometric \
