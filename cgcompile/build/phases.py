@@ -46,7 +46,7 @@ from ..passes import (
 from ..run.recovery import PieceRecovery, UncapturableOps
 from ..run.runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
 from ..stats import Piece, PieceRecords
-from ..run.weights import FusedCopies, FusedWeights, has_address
+from ..run.weights import FusedCopies, FusedWeights, has_address, storage_tensors
 
 log = logging.getLogger(__name__)
 
@@ -415,20 +415,23 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
     CUDA graphs or with Config.check_addresses (which raises instead). Those only eager
     pieces read need no check: eager code reads the call's own; a full graph checks them
     itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused weights
-    (they keep their addresses, see `weights.FusedWeights`) and tensors without storage
-    of their own (wrapper subclasses), which have no address to check."""
+    (they keep their addresses, see `weights.FusedWeights`). A wrapper subclass (a DTensor
+    shard, quantized weights) has no address of its own: the tensors it wraps are watched."""
     if not build.analysis.cudagraphs or build.config.debug.check_addresses:
         return None
     read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
     owned = {id(t) for t in fusion.weights.tensors} if fusion.weights is not None else set()  # never move
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     inputs = fusion.example_inputs
-    indices = [i for i, name in enumerate(names)
-               if name in build.analysis.static_inputs and name in read and id(inputs[i]) not in owned
-               and has_address(inputs[i])]
-    if not indices:
+    watched = [i for i, name in enumerate(names)
+               if name in build.analysis.static_inputs and name in read and id(inputs[i]) not in owned]
+    indices = [i for i in watched if has_address(inputs[i])]
+    wrapped = [i for i in watched if not has_address(inputs[i]) and storage_tensors(inputs[i], names[i])]
+    if not indices and not wrapped:
         return None
-    return AddressWatch(f"graph{build.index}", tuple(indices), tuple(names[i] for i in indices))
+    inner_names = [inner for i in wrapped for inner, _ in storage_tensors(inputs[i], names[i])]
+    return AddressWatch(f"graph{build.index}", tuple(indices), tuple(names[i] for i in indices) + tuple(inner_names),
+                        tuple(wrapped))
 
 
 def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,

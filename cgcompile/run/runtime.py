@@ -226,7 +226,8 @@ class AddressWatch:
 
     name: str  # the graph's, "graph<k>"
     indices: tuple[int, ...]
-    names: tuple[str, ...]
+    names: tuple[str, ...]  # those of `indices`, then one per inner tensor of `wrapped`
+    wrapped: tuple[int, ...] = ()  # wrapper subclasses (DTensor shards): their inner tensors are watched
 
 
 class Stitch:
@@ -353,7 +354,7 @@ class GraphRuntime:
         self.fused = fused
         self.session = session
         self.addresses = None if addresses is None else ParameterAddresses(
-            addresses.name, addresses.indices, addresses.names, self._recapture)
+            addresses.name, addresses.indices, addresses.names, self._recapture, wrapped=addresses.wrapped)
         # Replays through straight-line plans, except where each replay checks addresses
         # (Config.check_addresses: the graph pieces' own replay does that).
         self.plans = None if session is None or session.check_addresses or not any(

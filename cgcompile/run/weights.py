@@ -13,6 +13,8 @@ graphs (correct, slower; a warning says so once); a second call in a row with th
 new addresses means they settled (new weights): the graphs are dropped and captured
 again. Instances that alternate therefore never replay each other's graphs and never
 recapture at every call. The check costs one `data_ptr()` per parameter and buffer.
+A wrapper subclass (a DTensor shard, quantized weights) has no memory of its own: the
+graphs read the tensors it wraps, so those are the addresses watched (`storage_tensors`).
 
 Two readers feed it: the compiled path reads the graph's inputs (`allow(args)`), the
 breakable path reads the captured module itself (`ModuleTensors`).
@@ -25,6 +27,8 @@ import operator
 from typing import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
 from ..passes import FusedInput
 
 log = logging.getLogger(__name__)
@@ -54,10 +58,11 @@ class ParameterAddresses:
     warned: names already warned about, shared by watches that should warn once together."""
 
     def __init__(self, name: str, indices: Sequence[int], names: Sequence[str], drop_graphs: Callable[[], None],
-                 *, advice: str = _DYNAMO_ADVICE, warned: set | None = None):
+                 *, advice: str = _DYNAMO_ADVICE, warned: set | None = None, wrapped: Sequence[int] = ()):
         self.name = name
         self.indices = tuple(indices)
         self._pick = _picker(self.indices)
+        self.wrapped = tuple(wrapped)  # inputs that are wrapper subclasses: their inner tensors' addresses
         self.names = names
         self.drop_graphs = drop_graphs
         self.advice = advice
@@ -71,7 +76,10 @@ class ParameterAddresses:
         """Whether this call of the graph may replay (or capture) graphs."""
         # Every call reads every address: picked out and read in C (itemgetter, map), not
         # through a Python loop, about half the host time for a model's parameters.
-        return self.allow_addresses(list(map(_data_ptr, self._pick(args))))
+        addresses = list(map(_data_ptr, self._pick(args)))
+        for i in self.wrapped:
+            addresses += inner_addresses(args[i])
+        return self.allow_addresses(addresses)
 
     def allow_addresses(self, addresses: list[int]) -> bool:
         """Whether a call whose parameters and buffers lie at `addresses` may replay graphs."""
@@ -122,15 +130,21 @@ class ModuleTensors:
         self._find_slots()
 
     def _find_slots(self) -> None:
-        self._slots, self._tree, names = [], [], []
+        self._slots, self._wrapped_slots, self._tree, names, wrapped_names = [], [], [], [], []
         for prefix, sub in self.module.named_modules(remove_duplicate=False):
             for kind in (sub._parameters, sub._buffers):
                 for key, tensor in kind.items():
-                    if tensor is not None and has_address(tensor):
+                    name = f"{prefix}.{key}" if prefix else key
+                    if tensor is None:
+                        continue
+                    if has_address(tensor):
                         self._slots.append((kind, key))
-                        names.append(f"{prefix}.{key}" if prefix else key)
+                        names.append(name)
+                    elif storage_tensors(tensor, name):
+                        self._wrapped_slots.append((kind, key))
+                        wrapped_names += [inner for inner, _ in storage_tensors(tensor, name)]
             self._tree.extend((sub._modules, key, child) for key, child in sub._modules.items())
-        self.names[:] = names  # in place: a watch holds this list for its messages
+        self.names[:] = names + wrapped_names  # in place: a watch holds this list for its messages
 
     def read(self) -> list[int]:
         for modules, key, child in self._tree:
@@ -138,10 +152,31 @@ class ModuleTensors:
                 self._find_slots()
                 break
         try:
-            return [kind[key].data_ptr() for kind, key in self._slots]
+            return self._addresses()
         except (KeyError, AttributeError):  # a parameter deleted or set to None: find the slots again
             self._find_slots()
-            return [kind[key].data_ptr() for kind, key in self._slots]
+            return self._addresses()
+
+    def _addresses(self) -> list[int]:
+        addresses = [kind[key].data_ptr() for kind, key in self._slots]
+        for kind, key in self._wrapped_slots:
+            addresses += inner_addresses(kind[key])
+        return addresses
+
+
+def storage_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each tensor with memory that `tensor` reads: itself, or for a
+    traceable wrapper subclass (DTensor, quantized weights) the inner tensors it flattens
+    to, recursively ("w._local_tensor"); none for a tensor without memory."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        return [found for attr in attrs for found in storage_tensors(getattr(tensor, attr), f"{name}.{attr}")]
+    return [(name, tensor)] if isinstance(tensor, torch.Tensor) and has_address(tensor) else []
+
+
+def inner_addresses(tensor: torch.Tensor) -> list[int]:
+    """The addresses of what a wrapper subclass reads (`storage_tensors`)."""
+    return [inner.data_ptr() for _, inner in storage_tensors(tensor, "")]
 
 
 def has_address(tensor: torch.Tensor) -> bool:

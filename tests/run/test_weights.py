@@ -4,7 +4,8 @@ import logging
 
 import torch
 
-from cgcompile.run.weights import ParameterAddresses
+import cgcompile
+from cgcompile.run.weights import ParameterAddresses, storage_tensors
 
 
 def _watch(drops: list) -> ParameterAddresses:
@@ -60,3 +61,57 @@ def test_tensors_without_storage_are_not_checked():
 
     assert has_address(torch.nn.Parameter(torch.zeros(3)))
     assert not has_address(_Wrapper(torch.zeros(3)))
+
+
+class _WrappedWeight(torch.nn.Module):
+    """A linear whose weight is a wrapper subclass (as a DTensor shard or quantized weights
+    are): the tensor has no memory of its own, the graphs read the two it wraps."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        w = torch.randn(8, 8)
+        self.w = torch.nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.w).a
+
+
+def test_a_replaced_wrapper_subclass_parameter_is_never_replayed_stale(monkeypatch):
+    """The graphs read a wrapper subclass's inner tensors in place: a parameter replaced by a
+    new one must not replay the old one's graphs (as a plain parameter), so the inner
+    tensors' addresses are watched. Before, such a parameter was left out of the watch and
+    every call after the replacement returned the old weights' results."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from cgcompile.testing import fake_graphs
+
+    fake_graphs.fake_cuda_graphs(monkeypatch)
+    torch.manual_seed(0)
+    model = _WrappedWeight()
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(4, 8)))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        for _ in range(2):  # captured, replayed
+            torch.testing.assert_close(compiled(x), model(x))
+        w = torch.randn(8, 8)
+        model.w = torch.nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)  # a new tensor
+        for _ in range(3):  # without graphs, captured again, replayed
+            torch.testing.assert_close(compiled(x), model(x))
+    assert backend.stats.calls_with_moved_parameters == 1 and backend.stats.parameter_recaptures == 1
+    assert backend.runtimes[0].addresses.names == ("l_self_parameters_w_.a", "l_self_parameters_w_.b")
+
+
+def test_storage_tensors_reach_through_wrapper_subclasses():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.zeros(3), torch.ones(3)
+    nested = TwoTensor(TwoTensor(a, b), TwoTensor(b.clone(), a.clone()))
+    found = storage_tensors(nested, "w")
+    assert [name for name, _ in found] == ["w.a.a", "w.a.b", "w.b.a", "w.b.b"]
+    assert found[0][1] is a and found[1][1] is b
+    assert storage_tensors(torch.zeros(3), "p")[0][0] == "p"
+    assert storage_tensors(torch.empty(0), "empty") == []  # nothing to read, nothing to watch
