@@ -859,3 +859,38 @@ def test_a_write_into_an_input_or_buffer_lands_once_per_call_also_when_capturing
                                      boundary=None)
     with torch.inference_mode():
         _writes_match_eager(manager, model, reference, "cuda")
+
+
+class _WrappedWeight(nn.Module):
+    """A weight that is a wrapper subclass (as a DTensor shard is): graphs read what it wraps."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.testing._internal.two_tensor import TwoTensor
+
+        w = torch.randn(8, 8)
+        self.w = nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
+
+    def forward(self, x):
+        h = torch.relu(x @ self.w).a
+        return torch.ops.cgcompile_testing.silly_attention(h, h, h) * 2
+
+
+def test_a_replaced_wrapper_subclass_weight_never_replays_stale(caplog):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    model = _WrappedWeight()
+    manager = manager_for(model, boundary=None, capture_sizes=(4,))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+        w = torch.randn(8, 8)
+        model.w = nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
+        with caplog.at_level(logging.WARNING, logger="cgcompile"):
+            for _ in range(3):  # without graphs, captured again, replayed
+                torch.testing.assert_close(manager.run_pw_graph(model, (x,)), model(x))
+    runner = runner_of(manager)
+    assert runner.addresses.calls_without_graphs == 1 and runner.addresses.recaptures == 1
+    assert "'w.a' is at" in caplog.text
