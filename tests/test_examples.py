@@ -76,3 +76,11 @@ def test_hf_static_generate_on_cpu_names_full_graph_calls_without_graphs():
     assert " full-graph calls (no CUDA graphs on cpu: the compiled forward ran as one piece)" in decode
     assert "from the full graph" not in decode and decode.endswith("CUDA graphs captured: 0")
     assert tokens.startswith("greedy tokens identical to eager")
+
+
+def test_plain_decode_loop_gives_generates_tokens():
+    """examples/hf_decode_loop.py: a greedy loop over a StaticCache, compiled, with the next
+    token and the cache position kept on the device, gives generate()'s tokens."""
+    pytest.importorskip("transformers")
+    lines = _run("hf_decode_loop.py", "--new-tokens", "8")
+    assert lines[-1] == "tokens match generate(): True", lines
