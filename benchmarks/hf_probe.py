@@ -1,0 +1,171 @@
+"""Where the host time of a transformers model's decode step goes, beside the project's own
+decode model of the same shape (`host_probe.py`'s parts, on a transformers Llama).
+
+Two loops over one StaticCache, `model.forward` compiled with `cgcompile.Backend()` (the
+default Config):
+
+  plain loop   forward(input_ids=token, past_key_values=cache, cache_position=position)
+               per step, the device idle before each (`host_probe.probe_case`): the host
+               time split into host_probe's parts. "outside the runtime" is what the
+               runtime does not see: Dynamo's guards and frame, and transformers' Python
+               around the compiled graph, if any graph break leaves some outside.
+  generate()   `model.generate(..., past_key_values=cache)` with the same compiled forward:
+               wall ms per token, the host ms of the forward calls in it, and the rest
+               (generate()'s own Python, and its waits for the device: it reads a device
+               value every step to decide whether to stop).
+
+Both print the step on the device (CUDA events, back to back) and the weight-bytes floor
+(`harness.floor_ms`) on CUDA. Random weights, no download:
+
+    python benchmarks/hf_probe.py --model 1b --batches 1,8 --dtype bf16        # the issue's 1.1B shape
+    python benchmarks/host_probe.py --model 1b --batches 1,8 --variants cgcompile-inductor   # beside it
+    python benchmarks/hf_probe.py --device cpu --model tiny --batches 1 --steps 5 --dtype fp32   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import cgcompile
+from cgcompile.testing.decode_model import MODEL_CONFIGS
+from harness import environment, floor_ms, log, measure_peak_bandwidth, parameter_bytes, synchronize, write_json
+from host_probe import DTYPES, format_case, probe_case
+
+PROMPT = 16
+
+
+def build_llama(cfg, device: torch.device, dtype: torch.dtype):
+    """A transformers Llama of the decode model's shape (`MODEL_CONFIGS`), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+                         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab,
+                         max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.generation_config.eos_token_id = None  # random weights: exactly max_new_tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class PlainLoop:
+    """`host_probe.probe_case`'s prepared variant: `step(batch, start, k)` is decode step k
+    of a plain loop, at cache position PROMPT + k (wrapping before the cache ends)."""
+
+    def __init__(self, model, backend: cgcompile.Backend, batches, device, steps: int):
+        from transformers import StaticCache
+
+        self.backend = backend
+        self.forward = torch.compile(model.forward, backend=backend)
+        self.span = 3 * steps + 16
+        self.cache = {b: StaticCache(config=model.config, max_cache_len=PROMPT + self.span + 1) for b in batches}
+        self.tokens = {b: torch.ones(b, 1, dtype=torch.long, device=device) for b in batches}
+        self.positions = [torch.tensor([PROMPT + k], device=device) for k in range(self.span)]
+
+    def step(self, batch: int, start, k: int):
+        return self.forward(input_ids=self.tokens[batch], past_key_values=self.cache[batch],
+                            cache_position=self.positions[k % self.span], logits_to_keep=1).logits
+
+
+def generate_parts(model, forward, batch: int, new_tokens: int, device) -> dict:
+    """generate() with `forward` (compiled): wall ms per token, and the host ms of the
+    forward calls inside it; the rest is generate()'s own Python and its waits."""
+    from transformers import StaticCache
+
+    prompt = torch.ones(batch, PROMPT, dtype=torch.long, device=device)
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + new_tokens + 1)
+    inner, in_forward = model.forward, [0.0]
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            in_forward[0] += time.perf_counter() - start
+
+    def run():
+        cache.reset()
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                              max_new_tokens=new_tokens, do_sample=False)
+
+    model.forward = timed_forward
+    try:
+        run()  # compiles and captures what the timed run needs
+        walls, forwards = [], []
+        for _ in range(3):
+            in_forward[0] = 0.0
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            walls.append((time.perf_counter() - start) * 1e3 / new_tokens)
+            forwards.append(in_forward[0] * 1e3 / new_tokens)
+    finally:
+        model.forward = inner
+    wall, in_calls = statistics.median(walls), statistics.median(forwards)
+    return {"batch": batch, "wall_ms_per_token": wall, "forward_calls_ms_per_token": in_calls,
+            "rest_ms_per_token": wall - in_calls}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODEL_CONFIGS), default="1b")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens of each generate() run")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--json", default=None, help="write the cases here")
+    args = p.parse_args(argv)
+    args.batches = tuple(int(b) for b in args.batches.split(","))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, cfg, dtype = torch.device(args.device), MODEL_CONFIGS[args.model], DTYPES[args.dtype]
+    log(f"hf probe: transformers Llama of the {args.model} shape ({cfg.layers} layers), {args.dtype}, "
+        f"batches {args.batches}")
+    model = build_llama(cfg, device, dtype)
+    weight_bytes = parameter_bytes(model) - parameter_bytes(model.model.embed_tokens)
+    floor = floor_ms(weight_bytes, measure_peak_bandwidth(device)) if device.type == "cuda" else None
+    config = cgcompile.Config() if device.type == "cuda" else cgcompile.Config(compiler="eager")
+    loop = PlainLoop(model, cgcompile.Backend(config), args.batches, device, args.steps)
+    cases, generates = [], []
+    with torch.inference_mode():
+        for batch in args.batches:
+            for k in range(3):  # compile and capture: the first steps of each size
+                loop.step(batch, None, k)
+        for batch in args.batches:
+            case = probe_case("hf-plain-loop", loop, batch, args.steps, device)
+            case["floor_ms"] = floor
+            cases.append(case)
+            print(format_case(case, cfg.layers) + (f"\n  weight-bytes floor {floor * 1e3:.0f} us" if floor else ""),
+                  flush=True)
+        # generate() passes other arguments than the loop: its own Dynamo graphs and Backend.
+        torch._dynamo.reset()
+        backend = cgcompile.Backend(config)
+        forward = torch.compile(model.forward, backend=backend)
+        for batch in args.batches:
+            parts = generate_parts(model, forward, batch, args.new_tokens, device)
+            generates.append(parts)
+            print(f"hf-generate B={batch}: {parts['wall_ms_per_token']:.3f} ms a token, of which the forward calls "
+                  f"{parts['forward_calls_ms_per_token']:.3f} ms on the host and generate()'s own Python and "
+                  f"waits {parts['rest_ms_per_token']:.3f} ms", flush=True)
+    for name, stats in (("plain loop", loop.backend.stats), ("generate()", backend.stats)):
+        print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
+              f"{stats.piecewise_calls} piecewise")
+    if args.json:
+        write_json(args.json, {"environment": environment(device), "model": args.model, "layers": cfg.layers,
+                               "cases": cases, "generate": generates})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
