@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .graph_values import example_value, free_symbols
 from .mutation import view_base, view_parent, written_inputs
@@ -67,7 +68,7 @@ class FullGraphPlan:
     def key(self, args: Sequence) -> tuple:
         """What this call hands the graph host-side; equal keys replay the same graph."""
         return (
-            [args[i].data_ptr() for i in self.by_address],
+            [address(args[i]) for i in self.by_address],
             [args[i].stride() for i in self.strides_checked],
             self.symbol_values(args),
         )
@@ -79,13 +80,26 @@ class FullGraphPlan:
     def difference(self, key: tuple, captured: tuple) -> str:
         """The first input whose host-side value differs between two keys, in words."""
         values = tuple(i for i, _ in self.host_values)
-        parts = (("the address", self.by_address, hex), ("the strides", self.strides_checked, str),
+        parts = (("the address", self.by_address, _show_address), ("the strides", self.strides_checked, str),
                  ("the host value", values, str))
         for (what, indices, show), got, had in zip(parts, key, captured):
             for i, g, h in zip(indices, got, had):
                 if g != h:
                     return f"{what} of input {self.names[i]!r} is {show(g)}, captured with {show(h)}"
         return "nothing differs"
+
+
+def address(tensor: torch.Tensor) -> int | tuple:
+    """Where a tensor's memory is: its data_ptr, or for a traceable wrapper subclass (a DTensor
+    shard, quantized weights), whose own data_ptr is 0, the addresses of what it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        return tuple(address(getattr(tensor, attr)) for attr in attrs)
+    return tensor.data_ptr()
+
+
+def _show_address(value: int | tuple) -> str:
+    return hex(value) if isinstance(value, int) else "(" + ", ".join(map(_show_address, value)) + ")"
 
 
 def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset[str],
