@@ -80,7 +80,7 @@ class FullGraphPlan:
     def difference(self, key: tuple, captured: tuple) -> str:
         """The first input whose host-side value differs between two keys, in words."""
         values = tuple(i for i, _ in self.host_values)
-        parts = (("the address", self.by_address, _show_address), ("the strides", self.strides_checked, str),
+        parts = (("the address", self.by_address, show_address), ("the strides", self.strides_checked, str),
                  ("the host value", values, str))
         for (what, indices, show), got, had in zip(parts, key, captured):
             for i, g, h in zip(indices, got, had):
@@ -98,8 +98,9 @@ def address(tensor: torch.Tensor) -> int | tuple:
     return tensor.data_ptr()
 
 
-def _show_address(value: int | tuple) -> str:
-    return hex(value) if isinstance(value, int) else "(" + ", ".join(map(_show_address, value)) + ")"
+def show_address(value: int | tuple) -> str:
+    """An `address` in hex (a wrapper's: the addresses of what it wraps, in parentheses)."""
+    return hex(value) if isinstance(value, int) else "(" + ", ".join(map(show_address, value)) + ")"
 
 
 def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset[str],

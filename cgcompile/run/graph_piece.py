@@ -43,6 +43,7 @@ from .buffers import (StaticBuffer, TracedLayout, copy_rows, empty_like_strided,
 from .capture import CaptureSession, Mode, weak_alias
 from ..errors import CaptureError
 from ..passes import example_value, written_inputs
+from ..passes.full_graph_plan import address, show_address
 from .replay_plan import CapturedGraph
 from .runtime import PieceCaptureFailed, PieceRunner
 from ..stats import RunCounts
@@ -194,11 +195,12 @@ class CudaGraphPiece(_TracedPiece):
 
     def _check_addresses(self, entry: _Graph, args) -> None:
         for i, by_addr in enumerate(self.layout.by_address):
-            if by_addr and (args[i].data_ptr(), args[i].stride()) != entry.addresses[i]:
+            if by_addr and (address(args[i]), args[i].stride()) != entry.addresses[i]:
                 raise CaptureError(
                     f"{self.piece_name}: input {i} (a parameter or buffer) was captured at address "
-                    f"{entry.addresses[i][0]:#x} but is now at {args[i].data_ptr():#x}; it was replaced "
-                    f"after capture. Update weights in place (param.data.copy_) or call clear() to recapture"
+                    f"{show_address(entry.addresses[i][0])} but is now at {show_address(address(args[i]))}; "
+                    f"it was replaced after capture. Update weights in place (param.data.copy_) or call clear() "
+                    f"to recapture"
                 )
 
     # -- first call of a size: warm up and capture ---------------------------------------
@@ -261,7 +263,7 @@ class CudaGraphPiece(_TracedPiece):
 
         graph, static_args, outputs = self.session.capture(self.piece_name, self.fn, make_args)
         outputs = tuple(outputs)
-        addresses = [(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args]
+        addresses = [(address(a), a.stride()) if isinstance(a, torch.Tensor) else None for a in static_args]
         # Inputs read in place get a buffer too: their memory, which a later call whose
         # tensor lies elsewhere is copied into.
         inputs = tuple(

@@ -2,6 +2,7 @@
 
 import logging
 
+import pytest
 import torch
 
 import cgcompile
@@ -115,3 +116,26 @@ def test_storage_tensors_reach_through_wrapper_subclasses():
     assert found[0][1] is a and found[1][1] is b
     assert storage_tensors(torch.zeros(3), "p")[0][0] == "p"
     assert storage_tensors(torch.empty(0), "empty") == []  # nothing to read, nothing to watch
+
+
+def test_check_addresses_raises_for_a_replaced_wrapper_subclass_parameter(monkeypatch):
+    """Config(check_addresses=True) raises instead of capturing again: for a wrapper subclass
+    too, whose own data_ptr (0) never moves."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from cgcompile.testing import fake_graphs
+
+    fake_graphs.fake_cuda_graphs(monkeypatch)
+    torch.manual_seed(0)
+    model = _WrappedWeight()
+    compiled = torch.compile(model, backend=cgcompile.Backend(cgcompile.Config(
+        compiler="eager", capture_sizes=(4, 8), check_addresses=True)))
+    x = torch.randn(4, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+        w = torch.randn(8, 8)
+        model.w = torch.nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
+        with pytest.raises(cgcompile.CaptureError, match=r"was captured at address \(0x[0-9a-f]+, 0x[0-9a-f]+\) but "):
+            compiled(x)
