@@ -12,7 +12,7 @@ Shipped as `cgcompile.passes`.
 from .attention_mask import hoist_mask_conversion
 from .full_graph_plan import FullGraphPlan, plan_full_graph
 from .capture_dim import CaptureDim, find_capture_dim, input_name
-from .graph_values import example_value, free_symbols, tensors_in, values_sharing_memory
+from .graph_values import example_value, free_symbols, tensors_in, values_sharing_memory, wrapped_tensors
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
@@ -45,5 +45,6 @@ __all__ = [
     "split_graph",
     "tensors_in",
     "values_sharing_memory",
+    "wrapped_tensors",
     "written_inputs",
 ]

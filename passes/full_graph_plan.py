@@ -36,7 +36,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .graph_values import example_value, free_symbols
+from .graph_values import example_value, free_symbols, wrapped_tensors
 from .mutation import view_base, view_parent, written_inputs
 from .split import SplitGraph
 
@@ -93,8 +93,7 @@ def address(tensor: torch.Tensor) -> int | tuple:
     """Where a tensor's memory is: its data_ptr, or for a traceable wrapper subclass (a DTensor
     shard, quantized weights), whose own data_ptr is 0, the addresses of what it wraps."""
     if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        return tuple(address(getattr(tensor, attr)) for attr in attrs)
+        return tuple(inner.data_ptr() for _, inner in wrapped_tensors(tensor, ""))
     return tensor.data_ptr()
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.fx import Node
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)
 
@@ -58,6 +59,16 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in tensors_in(v)]
     return []
+
+
+def wrapped_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the plain tensors `tensor` holds: itself, or for a traceable wrapper
+    subclass (a DTensor shard, quantized weights), whose own data_ptr is 0, the inner
+    tensors it flattens to, recursively ("w._local_tensor")."""
+    if is_traceable_wrapper_subclass(tensor):
+        attrs, _ = tensor.__tensor_flatten__()
+        return [found for attr in attrs for found in wrapped_tensors(getattr(tensor, attr), f"{name}.{attr}")]
+    return [(name, tensor)]
 
 
 def is_size_value(value: Any) -> bool:

@@ -27,9 +27,8 @@ import operator
 from typing import Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..passes import FusedInput
+from ..passes import FusedInput, wrapped_tensors
 
 log = logging.getLogger(__name__)
 
@@ -168,10 +167,7 @@ def storage_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Te
     """(name, tensor) of each tensor with memory that `tensor` reads: itself, or for a
     traceable wrapper subclass (DTensor, quantized weights) the inner tensors it flattens
     to, recursively ("w._local_tensor"); none for a tensor without memory."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        return [found for attr in attrs for found in storage_tensors(getattr(tensor, attr), f"{name}.{attr}")]
-    return [(name, tensor)] if isinstance(tensor, torch.Tensor) and has_address(tensor) else []
+    return [(inner_name, inner) for inner_name, inner in wrapped_tensors(tensor, name) if has_address(inner)]
 
 
 def inner_addresses(tensor: torch.Tensor) -> list[int]:
