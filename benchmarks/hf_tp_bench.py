@@ -72,6 +72,9 @@ def parse_args():
                    help="Config.compiler (the all-reduces only DTensor's dispatch shows need inductor)")
     p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
+                        "(where the host time of a call goes)")
     return p.parse_args()
 
 
@@ -138,6 +141,32 @@ def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float, 
     return runs[0][0], statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
 
 
+@torch.no_grad()
+def profile_calls(forward, model, prompt, args, label: str) -> None:
+    """cProfile of a greedy run's decode steps, shaped as `measure`'s (the same cache length,
+    so no recompile), after its prefill; every rank runs them, rank 0 prints."""
+    import cProfile
+    import io
+    import pstats
+
+    from transformers import StaticCache
+
+    calls = args.tokens - 1
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens)
+    logits = forward(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    token = logits[:, -1].argmax(-1, keepdim=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        token = forward(input_ids=token, past_key_values=cache, use_cache=True,
+                        logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    profiler.disable()
+    if dist.get_rank() == 0:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== profile, {label}, {calls} decode calls\n{text.getvalue()}", flush=True)
+
+
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
     """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`."""
     eager_forward = model.forward
@@ -147,6 +176,8 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
                                                      capture_error_mode="thread_local"))
         model.forward = torch.compile(eager_forward, backend=backend)
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
+        if args.profile:
+            profile_calls(model.forward, model, prompt, args, f"{prefix} all_reduce={all_reduce}")
         stats = backend.stats
         report(f"{prefix}-cgcompile", all_reduce, ms, tokens, host_ms_per_call=round(host_ms, 4),
                graphs_captured=stats.graphs_captured,
