@@ -1,0 +1,1 @@
+"""Compile time: one Dynamo graph becomes pieces, their runners and a runtime (`phases`, `compiler`)."""
