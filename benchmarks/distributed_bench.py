@@ -468,5 +468,6 @@ def print_pipeline_ratios(rows, model):
                          f"{row['tokens_per_s'] / best['tokens_per_s']:.2f}x (target >= 1.6 for pp2)")
         print(f"{model}: " + "; ".join(parts))
 
+
 if __name__ == "__main__":
     main()

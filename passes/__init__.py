@@ -12,7 +12,8 @@ Shipped as `cgcompile.passes`.
 from .attention_mask import hoist_mask_conversion
 from .full_graph_plan import FullGraphPlan, plan_full_graph
 from .capture_dim import CaptureDim, find_capture_dim, input_name
-from .graph_values import example_value, free_symbols, tensors_in, values_sharing_memory, wrapped_tensors
+from .graph_values import (address, example_value, free_symbols, show_address, tensors_in, values_sharing_memory,
+                           wrapped_tensors)
 from .grouped_query import fold_grouped_query_attention
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
@@ -29,6 +30,7 @@ __all__ = [
     "PieceSpec",
     "SplitGraph",
     "SplitReason",
+    "address",
     "classify_nodes",
     "example_value",
     "find_capture_dim",
@@ -42,6 +44,7 @@ __all__ = [
     "is_floating",
     "lower_small_query_attention",
     "plan_full_graph",
+    "show_address",
     "split_graph",
     "tensors_in",
     "values_sharing_memory",

@@ -34,9 +34,8 @@ from typing import Any, Callable, Sequence
 import sympy
 import torch
 from torch.fx import GraphModule, Node
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .graph_values import example_value, free_symbols, wrapped_tensors
+from .graph_values import address, example_value, free_symbols, show_address
 from .mutation import view_base, view_parent, written_inputs
 from .split import SplitGraph
 
@@ -87,19 +86,6 @@ class FullGraphPlan:
                 if g != h:
                     return f"{what} of input {self.names[i]!r} is {show(g)}, captured with {show(h)}"
         return "nothing differs"
-
-
-def address(tensor: torch.Tensor) -> int | tuple:
-    """Where a tensor's memory is: its data_ptr, or for a traceable wrapper subclass (a DTensor
-    shard, quantized weights), whose own data_ptr is 0, the addresses of what it wraps."""
-    if is_traceable_wrapper_subclass(tensor):
-        return tuple(inner.data_ptr() for _, inner in wrapped_tensors(tensor, ""))
-    return tensor.data_ptr()
-
-
-def show_address(value: int | tuple) -> str:
-    """An `address` in hex (a wrapper's: the addresses of what it wraps, in parentheses)."""
-    return hex(value) if isinstance(value, int) else "(" + ", ".join(map(show_address, value)) + ")"
 
 
 def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset[str],

@@ -71,6 +71,19 @@ def wrapped_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Te
     return [(name, tensor)]
 
 
+def address(tensor: torch.Tensor) -> int | tuple:
+    """Where a tensor's memory is: its data_ptr, or for a traceable wrapper subclass (a DTensor
+    shard, quantized weights), whose own data_ptr is 0, the addresses of what it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        return tuple(inner.data_ptr() for _, inner in wrapped_tensors(tensor, ""))
+    return tensor.data_ptr()
+
+
+def show_address(value: int | tuple) -> str:
+    """An `address` in hex (a wrapper's: the addresses of what it wraps, in parentheses)."""
+    return hex(value) if isinstance(value, int) else "(" + ", ".join(map(show_address, value)) + ")"
+
+
 def is_size_value(value: Any) -> bool:
     """Ints, symbolic ints and `torch.Size`: values computed from shapes, not data."""
     if isinstance(value, _SIZE_TYPES):

@@ -426,10 +426,11 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
     watched = [i for i, name in enumerate(names)
                if name in build.analysis.static_inputs and name in read and id(inputs[i]) not in owned]
     indices = [i for i in watched if has_address(inputs[i])]
-    wrapped = [i for i in watched if not has_address(inputs[i]) and storage_tensors(inputs[i], names[i])]
+    inner = {i: [name for name, _ in storage_tensors(inputs[i], names[i])] for i in watched if i not in indices}
+    wrapped = [i for i, found in inner.items() if found]
     if not indices and not wrapped:
         return None
-    inner_names = [inner for i in wrapped for inner, _ in storage_tensors(inputs[i], names[i])]
+    inner_names = [name for i in wrapped for name in inner[i]]
     return AddressWatch(f"graph{build.index}", tuple(indices), tuple(names[i] for i in indices) + tuple(inner_names),
                         tuple(wrapped))
 

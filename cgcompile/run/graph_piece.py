@@ -42,8 +42,7 @@ from .buffers import (StaticBuffer, TracedLayout, copy_rows, empty_like_strided,
                       padded_shape)
 from .capture import CaptureSession, Mode, weak_alias
 from ..errors import CaptureError
-from ..passes import example_value, written_inputs
-from ..passes.full_graph_plan import address, show_address
+from ..passes import address, example_value, show_address, written_inputs
 from .replay_plan import CapturedGraph
 from .runtime import PieceCaptureFailed, PieceRunner
 from ..stats import RunCounts

@@ -139,9 +139,9 @@ class ModuleTensors:
                     if has_address(tensor):
                         self._slots.append((kind, key))
                         names.append(name)
-                    elif storage_tensors(tensor, name):
+                    elif inner := [inner_name for inner_name, _ in storage_tensors(tensor, name)]:
                         self._wrapped_slots.append((kind, key))
-                        wrapped_names += [inner for inner, _ in storage_tensors(tensor, name)]
+                        wrapped_names += inner
             self._tree.extend((sub._modules, key, child) for key, child in sub._modules.items())
         self.names[:] = names + wrapped_names  # in place: a watch holds this list for its messages
 
