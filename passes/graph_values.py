@@ -64,10 +64,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 def wrapped_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the plain tensors `tensor` holds: itself, or for a traceable wrapper
     subclass (a DTensor shard, quantized weights), whose own data_ptr is 0, the inner
-    tensors it flattens to, recursively ("w._local_tensor")."""
+    tensors it flattens to, recursively ("w._local_tensor"). What it flattens to besides tensors
+    (a DTensor's device mesh, from torch 2.13 on) holds no memory of its own and is left out."""
     if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()
-        return [found for attr in attrs for found in wrapped_tensors(getattr(tensor, attr), f"{name}.{attr}")]
+        inner = ((attr, getattr(tensor, attr)) for attr in attrs)
+        return [found for attr, value in inner if isinstance(value, torch.Tensor)
+                for found in wrapped_tensors(value, f"{name}.{attr}")]
     return [(name, tensor)]
 
 

@@ -62,6 +62,7 @@ class ParameterAddresses:
         self.indices = tuple(indices)
         self._pick = _picker(self.indices)
         self.wrapped = tuple(wrapped)  # inputs that are wrapper subclasses: their inner tensors' addresses
+        self._inner: list[tuple[int, InnerAddresses]] | None = None  # their readers, made at the first call
         self.names = names
         self.drop_graphs = drop_graphs
         self.advice = advice
@@ -76,8 +77,11 @@ class ParameterAddresses:
         # Every call reads every address: picked out and read in C (itemgetter, map), not
         # through a Python loop, about half the host time for a model's parameters.
         addresses = list(map(_data_ptr, self._pick(args)))
-        for i in self.wrapped:
-            addresses += inner_addresses(args[i])
+        if self.wrapped:
+            if self._inner is None:
+                self._inner = [(i, InnerAddresses(args[i])) for i in self.wrapped]
+            for i, inner in self._inner:
+                addresses += inner.read(args[i])
         return self.allow_addresses(addresses)
 
     def allow_addresses(self, addresses: list[int]) -> bool:
@@ -140,7 +144,7 @@ class ModuleTensors:
                         self._slots.append((kind, key))
                         names.append(name)
                     elif inner := [inner_name for inner_name, _ in storage_tensors(tensor, name)]:
-                        self._wrapped_slots.append((kind, key))
+                        self._wrapped_slots.append((kind, key, InnerAddresses(tensor)))
                         wrapped_names += inner
             self._tree.extend((sub._modules, key, child) for key, child in sub._modules.items())
         self.names[:] = names + wrapped_names  # in place: a watch holds this list for its messages
@@ -158,8 +162,8 @@ class ModuleTensors:
 
     def _addresses(self) -> list[int]:
         addresses = [kind[key].data_ptr() for kind, key in self._slots]
-        for kind, key in self._wrapped_slots:
-            addresses += inner_addresses(kind[key])
+        for kind, key, inner in self._wrapped_slots:
+            addresses += inner.read(kind[key])
         return addresses
 
 
@@ -170,9 +174,24 @@ def storage_tensors(tensor: torch.Tensor, name: str) -> list[tuple[str, torch.Te
     return [(inner_name, inner) for inner_name, inner in wrapped_tensors(tensor, name) if has_address(inner)]
 
 
-def inner_addresses(tensor: torch.Tensor) -> list[int]:
-    """The addresses of what a wrapper subclass reads (`storage_tensors`)."""
-    return [inner.data_ptr() for _, inner in storage_tensors(tensor, "")]
+class InnerAddresses:
+    """The addresses of what a wrapper subclass reads (`storage_tensors`), read at every call
+    through the attribute paths found once: walking `__tensor_flatten__` costs about 4 us a
+    DTensor, which a tensor-parallel model pays for each of its hundreds of parameters.
+    A tensor whose paths no longer lead to tensors with memory (another subclass in that
+    slot) is walked in full."""
+
+    def __init__(self, example: torch.Tensor):
+        self._paths = [operator.attrgetter(name[1:]) for name, _ in storage_tensors(example, "")]
+
+    def read(self, tensor: torch.Tensor) -> list[int]:
+        try:
+            addresses = [path(tensor).data_ptr() for path in self._paths]
+        except AttributeError:
+            addresses = []
+        if 0 in addresses or not addresses:
+            return [inner.data_ptr() for _, inner in storage_tensors(tensor, "")]
+        return addresses
 
 
 def has_address(tensor: torch.Tensor) -> bool:

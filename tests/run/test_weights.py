@@ -139,3 +139,48 @@ def test_check_addresses_raises_for_a_replaced_wrapper_subclass_parameter(monkey
         model.w = torch.nn.Parameter(TwoTensor(w, w.clone()), requires_grad=False)
         with pytest.raises(cgcompile.CaptureError, match=r"was captured at address \(0x[0-9a-f]+, 0x[0-9a-f]+\) but "):
             compiled(x)
+
+
+class _ShardedLinear(torch.nn.Module):
+    """A column-parallel linear as torch's `parallelize_module` or transformers' `tp_plan`
+    makes it: a DTensor weight, the local shard used inside."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]), requires_grad=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.w.to_local())
+
+
+def test_a_dtensor_parameter_is_watched_by_its_local_shard(monkeypatch):
+    """A DTensor flattens to its local tensor and, from torch 2.13 on, to its device mesh too:
+    the watch reads the shard's address and skips the mesh, which holds no memory (reading
+    the mesh's data_ptr failed every DTensor model's first call)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cgcompile.testing import fake_graphs
+
+    fake_graphs.fake_cuda_graphs(monkeypatch)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = _ShardedLinear(init_device_mesh("cpu", (1,)))
+        assert [name for name, _ in storage_tensors(model.w, "w")] == ["w._local_tensor"]
+        backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capture_sizes=(4, 8)))
+        compiled = torch.compile(model, backend=backend)
+        x = torch.randn(4, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), model(x))
+            model.w = torch.nn.Parameter(torch.distributed.tensor.distribute_tensor(
+                torch.randn(8, 8), model.w.device_mesh, model.w.placements), requires_grad=False)
+            for _ in range(3):  # a new shard: without graphs once, then captured again
+                torch.testing.assert_close(compiled(x), model(x))
+        assert backend.stats.parameter_recaptures == 1
+    finally:
+        dist.destroy_process_group()
