@@ -75,6 +75,10 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
                         "(where the host time of a call goes)")
+    p.add_argument("--guard-probe", action="store_true",
+                   help="also time each compiled variant with Dynamo's guards skipped (torch.compiler.set_stance("
+                        "skip_guard_eval_unsafe=True), a measurement only: unsound in use): the difference is what "
+                        "the guards cost per call")
     return p.parse_args()
 
 
@@ -164,6 +168,7 @@ def profile_calls(forward, model, prompt, args, label: str) -> None:
     if dist.get_rank() == 0:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
         print(f"== profile, {label}, {calls} decode calls\n{text.getvalue()}", flush=True)
 
 
@@ -178,6 +183,11 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{prefix} all_reduce={all_reduce}")
+        if args.guard_probe:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                unguarded_tokens, unguarded_ms, unguarded_host_ms = measure(model.forward, model, prompt, args, device)
+            report(f"{prefix}-cgcompile-unguarded", all_reduce, unguarded_ms, unguarded_tokens,
+                   host_ms_per_call=round(unguarded_host_ms, 4))
         stats = backend.stats
         report(f"{prefix}-cgcompile", all_reduce, ms, tokens, host_ms_per_call=round(host_ms, 4),
                graphs_captured=stats.graphs_captured,

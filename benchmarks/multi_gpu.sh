@@ -80,7 +80,7 @@ if ((N >= 4)); then
       --json "$OUT/tppp_8b_n4.json"
 fi
 step hf_tp_n2 && run hf_tp_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --json "$OUT/hf_tp_n2.json"
-step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --profile \
+step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --profile --guard-probe \
     --repeats 1
 step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
     --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
