@@ -36,7 +36,8 @@ is compared with the same model uncompiled. Each call is one row. The size is:
                                      (latents [N, 4, 16, 16], timesteps, class labels), an
                                      AutoencoderKL's decode() (latents [N, 4, 8, 8])
 
-A family whose package is missing (or does not import) is a "skip" row saying so.
+A family whose package is missing (or does not import) is a "skip" row saying so; so is a call
+that eager itself fails (RAFT in bfloat16: its grid_sample gets a float32 grid), with eager's error.
 
     max err   max |compiled - eager| / max |eager| over every output tensor (nested tuples,
               lists, dicts and model outputs flattened; empty tensors, such as a detection
@@ -432,6 +433,11 @@ def run_row(entry: Entry, model: torch.nn.Module, row: Row, session: Session, op
     try:
         args = make_inputs(entry, row, options)
         expected = call(model, model.forward, args)
+    except Exception as e:  # nothing to compare with: the model does not run in this dtype or on these inputs
+        row.status, row.note = "skip", f"eager fails: {zoo.describe(e)}"
+        row.wall_s = time.perf_counter() - start
+        return
+    try:
         row.max_err = compare(call(model, session.forward, args), expected)
         if session.reference:
             run_reference(model, row, session.reference, args, expected)

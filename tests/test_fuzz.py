@@ -499,3 +499,13 @@ def test_cuda_breakable_graphs_agree_with_eager():
 @pytest.mark.cuda
 def test_cuda_whole_graph_compiles_agree_with_eager():
     _assert_only_known_bugs(range(0, 1000, 50), fuzz.Setup("inductor", "cuda", padding=None, full_graph="whole"))
+
+
+def test_inductor_walks_of_a_token_shift_never_take_n_2():
+    """torch.compile rejects n=2 for a marked-dynamic dim that a program slices a row off
+    under AOTAutograd (seed 4003 on the GPU: "invalid", torch.compile rejects it too)."""
+    inductor, eager = fuzz.Setup(compiler="inductor"), fuzz.Setup(compiler="eager")
+    shifted = [seed for seed in range(300) if "shift_rows" in fuzz.generate(seed).productions]
+    assert any(2 in eager.case(seed)[1] for seed in shifted)
+    assert all(2 not in inductor.case(seed)[1] for seed in shifted)
+    assert inductor.case(4003)[1] == (6, 16, 4, 6)
