@@ -25,6 +25,7 @@ Both print the step on the device (CUDA events, back to back) and the weight-byt
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -91,8 +92,10 @@ def generate_parts(model, forward, batch: int, new_tokens: int, device) -> dict:
 
     def run():
         cache.reset()
+        # disable_compile: with a static cache generate() would wrap the (already compiled,
+        # timed) forward in its own torch.compile(mode="reduce-overhead")
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                              max_new_tokens=new_tokens, do_sample=False)
+                              max_new_tokens=new_tokens, do_sample=False, disable_compile=True)
 
     model.forward = timed_forward
     try:
@@ -113,6 +116,32 @@ def generate_parts(model, forward, batch: int, new_tokens: int, device) -> dict:
             "rest_ms_per_token": wall - in_calls}
 
 
+def kernel_report(loop: PlainLoop, model, batch: int, steps: int, peak_gbs: float, floor: float, out_dir: str) -> str:
+    """The plain loop's kernels over `steps` steps (torch.profiler), by total device time,
+    and the step by kernel class (`step_kernels`), as `profile_step.py --kernels` prints
+    them for the project's own decode model."""
+    import json
+    import os
+
+    import step_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(steps):
+            loop.step(batch, None, k)
+        torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"trace_hf_plain_loop_B{batch}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    gemm_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                     if p.dim() == 2 and "embed" not in name)
+    breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"), {"gemm": gemm_bytes},
+                                      peak_gbs)
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n"
+            + step_kernels.format_breakdown(breakdown, floor, peak_gbs))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODEL_CONFIGS), default="1b")
@@ -122,6 +151,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", default=None, help="write the cases here")
+    p.add_argument("--kernels", action="store_true",
+                   help="on CUDA: the plain loop's kernels per step, by class, beside the weight-bytes floor "
+                        "(the chrome traces go to $OUT, default /tmp)")
     args = p.parse_args(argv)
     args.batches = tuple(int(b) for b in args.batches.split(","))
     return args
@@ -134,7 +166,8 @@ def main(argv=None) -> int:
         f"batches {args.batches}")
     model = build_llama(cfg, device, dtype)
     weight_bytes = parameter_bytes(model) - parameter_bytes(model.model.embed_tokens)
-    floor = floor_ms(weight_bytes, measure_peak_bandwidth(device)) if device.type == "cuda" else None
+    peak_gbs = measure_peak_bandwidth(device) if device.type == "cuda" else None
+    floor = floor_ms(weight_bytes, peak_gbs) if peak_gbs else None
     config = cgcompile.Config() if device.type == "cuda" else cgcompile.Config(compiler="eager")
     loop = PlainLoop(model, cgcompile.Backend(config), args.batches, device, args.steps)
     cases, generates = [], []
@@ -148,6 +181,11 @@ def main(argv=None) -> int:
             cases.append(case)
             print(format_case(case, cfg.layers) + (f"\n  weight-bytes floor {floor * 1e3:.0f} us" if floor else ""),
                   flush=True)
+        if args.kernels and device.type == "cuda":
+            for batch in args.batches:
+                print(f"== kernels, hf-plain-loop B={batch}\n"
+                      + kernel_report(loop, model, batch, 20, peak_gbs, floor, os.environ.get("OUT", "/tmp")),
+                      flush=True)
         # generate() passes other arguments than the loop: its own Dynamo graphs and Backend.
         torch._dynamo.reset()
         backend = cgcompile.Backend(config)
