@@ -146,7 +146,7 @@ def measure(forward, model, prompt, args, device) -> tuple[torch.Tensor, float, 
 
 
 @torch.no_grad()
-def profile_calls(forward, model, prompt, args, label: str) -> None:
+def profile_calls(forward, model, prompt, args, label: str, device) -> None:
     """cProfile of a greedy run's decode steps, shaped as `measure`'s (the same cache length,
     so no recompile), after its prefill; every rank runs them, rank 0 prints."""
     import cProfile
@@ -155,17 +155,48 @@ def profile_calls(forward, model, prompt, args, label: str) -> None:
 
     from transformers import StaticCache
 
-    calls = args.tokens - 1
+    warm = 3  # a new cache: its first calls run piecewise and capture, which the profile leaves out
+    calls = (args.tokens - 1 - warm) // 2  # timed, then profiled: within the cache's length (no recompile)
     cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens)
     logits = forward(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     token = logits[:, -1].argmax(-1, keepdim=True)
+
+    def step(token):
+        return forward(input_ids=token, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(warm):
+        token = step(token)
+    # How long the host waits inside CUDAGraph.replay (the launch itself), apart from Python.
+    replay, in_replay = torch.cuda.CUDAGraph.replay, [0.0, 0]
+
+    def timed_replay(graph):
+        start = time.perf_counter()
+        try:
+            return replay(graph)
+        finally:
+            in_replay[0] += time.perf_counter() - start
+            in_replay[1] += 1
+
+    harness.synchronize(device)
+    torch.cuda.CUDAGraph.replay = timed_replay
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            token = step(token)
+        unprofiled_ms = (time.perf_counter() - start) * 1e3 / calls
+        harness.synchronize(device)
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):
-        token = forward(input_ids=token, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+        token = step(token)
     profiler.disable()
     if dist.get_rank() == 0:
+        print(f"== replay, {label}: {unprofiled_ms:.3f} ms of host time a step (forward and argmax, not "
+              f"profiled), of which CUDAGraph.replay {in_replay[0] * 1e3 / calls:.3f} ms "
+              f"({in_replay[1] / calls:.1f} replays a step)", flush=True)
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
@@ -182,7 +213,7 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
         model.forward = torch.compile(eager_forward, backend=backend)
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
-            profile_calls(model.forward, model, prompt, args, f"{prefix} all_reduce={all_reduce}")
+            profile_calls(model.forward, model, prompt, args, f"{prefix} all_reduce={all_reduce}", device)
         if args.guard_probe:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 unguarded_tokens, unguarded_ms, unguarded_host_ms = measure(model.forward, model, prompt, args, device)

@@ -104,7 +104,7 @@ for name in "${ORDER[@]}"; do
     all_reduce) sed -n '/^group choice/,$p' "$log" | head -n 12 ;;
     tp_*) grep -h "batch\|device_copy_gbs" "$log" | grep -v '^{"model' | tail -n 8 ;;
     pp_*|tppp_*) grep -h "tok/s" "$log" | tail -n 4 ;;
-    hf_profile_*) grep -h -A 14 "== profile" "$log" | cut -c1-160 ;;
+    hf_profile_*) grep -h "== replay" "$log"; grep -h -A 14 "== profile" "$log" | cut -c1-160 ;;
     hf_*) grep -h "ms/token\|tokens match\|all-reduce \|saved" "$log" | tail -n 9 ;;
   esac
 done
