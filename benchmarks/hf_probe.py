@@ -25,6 +25,7 @@ Both print the step on the device (CUDA events, back to back) and the weight-byt
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -151,6 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", default=None, help="write the cases here")
+    p.add_argument("--fuse-sibling-linears", action="store_true",
+                   help="Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each, as the project's "
+                        "decode model has them")
     p.add_argument("--kernels", action="store_true",
                    help="on CUDA: the plain loop's kernels per step, by class, beside the weight-bytes floor "
                         "(the chrome traces go to $OUT, default /tmp)")
@@ -168,7 +172,9 @@ def main(argv=None) -> int:
     weight_bytes = parameter_bytes(model) - parameter_bytes(model.model.embed_tokens)
     peak_gbs = measure_peak_bandwidth(device) if device.type == "cuda" else None
     floor = floor_ms(weight_bytes, peak_gbs) if peak_gbs else None
-    config = cgcompile.Config() if device.type == "cuda" else cgcompile.Config(compiler="eager")
+    config = cgcompile.Config(fuse_sibling_linears=args.fuse_sibling_linears)
+    if device.type != "cuda":
+        config = dataclasses.replace(config, compiler="eager")
     loop = PlainLoop(model, cgcompile.Backend(config), args.batches, device, args.steps)
     cases, generates = [], []
     with torch.inference_mode():
