@@ -44,7 +44,7 @@ from .tools.memory_plan import (
 from .run.recovery import UncapturableOps
 from .run.runtime import GraphRuntime
 from .stats import BackendStats, Piece, PieceRecords, RunCounts, total
-from .run.weights import FusedCopies
+from .run.fused_weights import FusedCopies
 
 log = logging.getLogger(__name__)
 

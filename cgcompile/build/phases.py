@@ -46,7 +46,8 @@ from ..passes import (
 from ..run.recovery import PieceRecovery, UncapturableOps
 from ..run.runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
 from ..stats import Piece, PieceRecords
-from ..run.weights import FusedCopies, FusedWeights, has_address, storage_tensors
+from ..run.fused_weights import FusedCopies, FusedWeights
+from ..run.weights import has_address, storage_tensors
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class FullGraphChoice:
 def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
                  copies: FusedCopies) -> Fusion:
     """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
-    weights become new graph inputs, appended to every call's (see `weights.FusedWeights`)."""
+    weights become new graph inputs, appended to every call's (see `fused_weights.FusedWeights`)."""
     if not config.rewrites.fuse_sibling_linears:
         return Fusion(gm, example_inputs)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -415,7 +416,7 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
     CUDA graphs or with Config.check_addresses (which raises instead). Those only eager
     pieces read need no check: eager code reads the call's own; a full graph checks them
     itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused weights
-    (they keep their addresses, see `weights.FusedWeights`). A wrapper subclass (a DTensor
+    (they keep their addresses, see `fused_weights.FusedWeights`). A wrapper subclass (a DTensor
     shard, quantized weights) has no address of its own: the tensors it wraps are watched."""
     if not build.analysis.cudagraphs or build.config.debug.check_addresses:
         return None

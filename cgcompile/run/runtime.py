@@ -44,7 +44,8 @@ from ..errors import CaptureError
 from ..ops import call_without_cudnn_attention
 from .replay_plan import ReplayPlans
 from ..stats import RunCounts, total
-from .weights import FusedWeights, ParameterAddresses
+from .fused_weights import FusedWeights
+from .weights import ParameterAddresses
 
 log = logging.getLogger(__name__)
 
@@ -317,7 +318,7 @@ class GraphRuntime:
     sizing: how a call's size is read and which size its pieces run at (None: a static
     graph, whose pieces always run at the one size they were traced with, 0).
     full: a `full_graph.FullGraph`, one graph for the whole call where allowed.
-    fused: a `weights.FusedWeights`, inputs appended to every call.
+    fused: a `fused_weights.FusedWeights`, inputs appended to every call.
     addresses: the parameters and buffers to watch (None without CUDA graphs); watched
         by `self.addresses`, a `weights.ParameterAddresses`.
     session: the capture session of the graphs (read when moved parameters drop them).
