@@ -52,7 +52,8 @@ from cgcompile.run.buffers import SizePolicy, StaticInput
 from cgcompile.breakable.signature import SignatureRule
 from cgcompile.run.full_graph import FullGraph
 from cgcompile.testing.decode_model import MODEL_CONFIGS
-from cgcompile.run.weights import FusedWeights, ModuleTensors, ParameterAddresses
+from cgcompile.run.fused_weights import FusedWeights
+from cgcompile.run.weights import ModuleTensors, ParameterAddresses
 from decode_bench import build_bench, default_dtype, timing_start
 from decode_variants import VARIANT_NAMES, VARIANTS
 from harness import environment, log, synchronize, write_json
