@@ -187,6 +187,12 @@ def floor_ms(nbytes: int, peak_gbs: float) -> float:
     return nbytes / (peak_gbs * 1e9) * 1e3
 
 
+def matmul_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weight matrices a step multiplies with (the embedding table is only indexed)."""
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if p.dim() == 2 and "embed" not in name)
+
+
 def parameter_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 

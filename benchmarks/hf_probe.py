@@ -35,7 +35,8 @@ import torch
 
 import cgcompile
 from cgcompile.testing.decode_model import MODEL_CONFIGS
-from harness import environment, floor_ms, log, measure_peak_bandwidth, parameter_bytes, synchronize, write_json
+from harness import (environment, floor_ms, log, matmul_weight_bytes, measure_peak_bandwidth, parameter_bytes,
+                     synchronize, write_json)
 from host_probe import DTYPES, format_case, probe_case
 
 PROMPT = 16
@@ -135,10 +136,8 @@ def kernel_report(loop: PlainLoop, model, batch: int, steps: int, peak_gbs: floa
     prof.export_chrome_trace(path)
     with open(path) as f:
         trace = json.load(f)
-    gemm_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                     if p.dim() == 2 and "embed" not in name)
-    breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"), {"gemm": gemm_bytes},
-                                      peak_gbs)
+    breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"),
+                                      {"gemm": matmul_weight_bytes(model)}, peak_gbs)
     return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n"
             + step_kernels.format_breakdown(breakdown, floor, peak_gbs))
 

@@ -79,18 +79,12 @@ def kernel_report(step, batch: int, steps: int, top: int, bench, peak_gbs: float
         trace = json.load(f)
     floor = bench_lib.bandwidth_floor(bench, peak_gbs)
     bytes_per_class = {
-        "gemm": matmul_weight_bytes(bench.llama),
+        "gemm": harness.matmul_weight_bytes(bench.llama),
         "attention": batch * floor["kv_bytes_per_sequence"],
     }
     breakdown = step_kernels.classify(trace, steps, ATTENTION_OPS, bytes_per_class, peak_gbs)
     return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=top) + "\n"
             + step_kernels.format_breakdown(breakdown, floor["floor_ms"], peak_gbs))
-
-
-def matmul_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weight matrices a step multiplies with (the embedding table is only indexed)."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if p.dim() == 2 and "embed" not in name)
 
 
 def run(args) -> None:
