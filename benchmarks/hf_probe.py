@@ -203,7 +203,8 @@ def main(argv=None) -> int:
                   f"waits {parts['rest_ms_per_token']:.3f} ms", flush=True)
     for name, stats in (("plain loop", loop.backend.stats), ("generate()", backend.stats)):
         print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
-              f"{stats.piecewise_calls} piecewise")
+              f"{stats.piecewise_calls} piecewise; {stats.fused_linears} linears fused, {stats.shared_fused_weights} "
+              f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies")
     if args.json:
         write_json(args.json, {"environment": environment(device), "model": args.model, "layers": cfg.layers,
                                "cases": cases, "generate": generates})

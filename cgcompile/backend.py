@@ -44,7 +44,7 @@ from .tools.memory_plan import (
 from .run.recovery import UncapturableOps
 from .run.runtime import GraphRuntime
 from .stats import BackendStats, Piece, PieceRecords, RunCounts, total
-from .run.fused_weights import FusedCopies
+from .run.fused_weights import FusedWeightStore
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Backend:
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
         self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options), self.config.split.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
-        self._fused_copies = FusedCopies()  # Config.fuse_sibling_linears, shared by all graphs
+        self._fused_weights = FusedWeightStore()  # Config.fuse_sibling_linears, shared by all graphs
         # Ops a capture failed on (capture recovery): later graphs split there at once.
         self._uncapturable = UncapturableOps()
         self._dump_folder: str | None = None  # claimed at the first dump (dump.claim_run_folder)
@@ -117,7 +117,7 @@ class Backend:
         _refuse_mode("torch.compile(..., backend=Backend(...))", mode, "set Config fields in Backend(Config(...))")
         index = self._stats.graphs_seen
         self._stats.graphs_seen += 1
-        fusion = phases.fuse_linears(index, gm, example_inputs, self.config, self._fused_copies)
+        fusion = phases.fuse_linears(index, gm, example_inputs, self.config, self._fused_weights)
         self._count_fusion(fusion)
         gm = fusion.gm
         analysis = phases.analyse(gm, fusion.example_inputs, self.config)
@@ -162,7 +162,8 @@ class Backend:
     def _count_fusion(self, fusion: phases.Fusion) -> None:
         if fusion.weights is not None:
             self._stats.fused_linears += fusion.linears
-            self._stats.fused_weight_bytes = self._fused_copies.bytes
+            self._stats.fused_weight_bytes = self._fused_weights.bytes
+            self._stats.shared_fused_weights = self._fused_weights.shared
 
     # -- CUDA graph management -------------------------------------------------------------
 

@@ -405,11 +405,14 @@ class Rewrites(_Group):
         Linear layers that read the same input with parameter weights (q/k/v projections, gate and
         up) run as one matmul over their concatenated weights (see
         `cgcompile.passes.sibling_linears`): at decode sizes small projections run far below the
-        GPU's bandwidth, and one larger matmul does not. Costs memory: the concatenated weights are
-        copies (`stats.fused_weight_bytes`), kept equal to the parameters on every call
-        (`cgcompile.run.weights`; a write through `param.data` is not seen: call
-        `Backend.refresh_fused_weights()`). For inference: with grad on, parameters that require
-        grad are left out.""")
+        GPU's bandwidth, and one larger matmul does not. No memory is added where the parameters
+        allow it: each becomes a view of its rows of the fused weight (its address moves once, when
+        its first graph compiles; `stats.shared_fused_weights`). A parameter that shares its memory
+        with another tensor (tied weights, a kept `param.data`) or is a view of a larger one is
+        copied instead (`stats.fused_weight_bytes`; the log says why), and the copy is kept equal to
+        the parameters on every call (`cgcompile.run.fused_weights`; a write through `param.data` to
+        such a parameter is not seen: call `Backend.refresh_fused_weights()`). For inference: with
+        grad on, parameters that require grad are left out.""")
     all_reduce: str = option("auto", _choice("auto", "nccl"), doc="""
         Which all-reduce a sum over a functional collective gets in a graph on CUDA: "auto" routes
         it to torch symmetric memory's one-shot or two-shot kernel where its process group allows

@@ -69,9 +69,11 @@ class BackendStats:
     # holding attention (Config.small_query_attention).
     full_graph_compilations: int = 0
     full_graph_compile_s: float = 0.0  # wall seconds they took
-    # Config.fuse_sibling_linears: linears fused away, the bytes of the weight copies it
-    # made, and how often a changed parameter made them be copied again.
+    # Config.fuse_sibling_linears: linears fused away, the fused weights that share the
+    # parameters' memory, the bytes of those that are copies (where sharing was not safe;
+    # the log says why), and how often a changed parameter made them be copied again.
     fused_linears: int = 0
+    shared_fused_weights: int = 0
     fused_weight_bytes: int = 0
     fused_weight_refreshes: int = 0
     # Calls whose parameters or buffers were not where the captured pieces read them (a

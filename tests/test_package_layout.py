@@ -158,6 +158,9 @@ PATCH_ALLOWED = {
     ("cgcompile/parallel/distributed.py", "timer.daemon"): "a threading.Timer made daemon before it starts",
     ("cgcompile/run/replay_plan.py", "replay.source"): "a generated replay function keeps its source, where it is made",
     ("cgcompile/config.py", "__init__.__signature__"): "the signature help(Config) shows, set in the class body",
+    ("cgcompile/run/fused_weights.py", "p.data"):
+        "Config.fuse_sibling_linears: a parameter becomes a view of its rows of the fused weight, where no other "
+        "tensor holds its memory (the documented sharing; torch's own way to move a parameter's data)",
 }
 
 

@@ -2,7 +2,7 @@
 
 Each step is a function that returns a record of what it decided; none of them reaches
 back into the Backend. What they need of its state (the compile cache, the capture
-session, the fused weight copies, the ops a capture failed on) is handed to them.
+session, the fused weights, the ops a capture failed on) is handed to them.
 Capture recovery (`recovery.PieceRecovery`, which `piece_recovery` builds and the graph's
 runtime holds) runs `build_runners` again on a piece's re-split when the runtime asks
 it, so a piece cut after a failed capture is built as the first compile built it.
@@ -46,7 +46,7 @@ from ..passes import (
 from ..run.recovery import PieceRecovery, UncapturableOps
 from ..run.runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
 from ..stats import Piece, PieceRecords
-from ..run.fused_weights import FusedCopies, FusedWeights
+from ..run.fused_weights import FusedWeights, FusedWeightStore
 from ..run.weights import has_address, storage_tensors
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class FullGraphChoice:
 
 
 def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, config: Config,
-                 copies: FusedCopies) -> Fusion:
+                 store: FusedWeightStore) -> Fusion:
     """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
     weights become new graph inputs, appended to every call's (see `fused_weights.FusedWeights`)."""
     if not config.rewrites.fuse_sibling_linears:
@@ -144,14 +144,15 @@ def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, con
     training = torch.is_grad_enabled()
     params = {name: x for name, x in zip(placeholders, example_inputs)
               if isinstance(x, torch.nn.Parameter) and not x.is_inference() and not (training and x.requires_grad)}
-    gm, fused = fuse_sibling_linears(gm, params, copies)
+    gm, fused = fuse_sibling_linears(gm, params, store)
     if not fused:
         return Fusion(gm, example_inputs)
     for f in fused:
         torch._dynamo.mark_static_address(f.tensor, guard=False)
     weights = FusedWeights(fused, {name: i for i, name in enumerate(placeholders)}, example_inputs)
-    log.info("cgcompile: graph %d fused %d groups of sibling linears (weight copies of the backend: %.1f MB)",
-             index, sum(f.kind == "weight" for f in fused), copies.bytes / 2**20)
+    log.info("cgcompile: graph %d fused %d groups of sibling linears (the backend's fused weights: %d shared with "
+             "their parameters, copies of %.1f MB)", index, sum(f.kind == "weight" for f in fused), store.shared,
+             store.bytes / 2**20)
     linears = sum(len(f.sources) for f in fused if f.kind == "weight")
     return Fusion(gm, [*example_inputs, *weights.tensors], weights, linears)
 

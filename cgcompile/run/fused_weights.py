@@ -1,17 +1,28 @@
 """The concatenated weights of fused sibling linears (Config.fuse_sibling_linears), kept
 equal to the parameters they were made from.
 
-`passes.fuse_sibling_linears` adds one graph input per fused weight (and bias): a copy,
-`cat(w_1, ..., w_k)`. `FusedWeights.extend(args)` runs first in every call: it appends
-those copies to the call's inputs, after checking that no source parameter changed since
-they were made. A parameter counts as changed when its address or its version counter
-moved: replaced (`module.weight = ...`, `param.data = ...`) or written in place through
-the parameter (`load_state_dict`, `param.copy_`, an optimizer step). Then every copy is
-made again, in place: the copies keep their addresses, so captured CUDA graphs that read
-them stay valid.
+`passes.fuse_sibling_linears` adds one graph input per fused weight (and bias),
+`cat(w_1, ..., w_k)`, made by `FusedWeightStore`:
+  - shared (the usual case): where the sources are plain parameters that each own their
+    memory alone, each parameter becomes a view of its rows of the fused weight
+    (`param.data = fused[rows]`). Fusing then costs no memory, and every write to a
+    parameter, in place or through `param.data`, lands in the fused weight. The
+    parameters' addresses move once, when their first graph is compiled, before any capture.
+  - a copy, where sharing cannot be proved safe (a parameter that is a view of larger
+    memory, memory another tensor also holds, such as tied weights or a kept `param.data`,
+    the same tensor twice, a tensor subclass); the reason is logged, and the copy's bytes
+    are `stats.fused_weight_bytes`.
 
-Not seen: writes through `param.data` (a tensor with its own version counter). After
-such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check
+`FusedWeights.extend(args)` runs first in every call: it appends the fused weights to the
+call's inputs, after checking that no source parameter changed since they were made. A
+parameter counts as changed when its address or its version counter moved: replaced
+(`module.weight = ...`, `param.data = ...`) or written in place through the parameter
+(`load_state_dict`, `param.copy_`, an optimizer step). Then every part not already in
+place is copied into its rows: the fused weights keep their addresses, so captured CUDA
+graphs that read them stay valid.
+
+Not seen, for copies: writes through `param.data` (a tensor with its own version counter).
+After such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check
 costs one address and one counter read per source parameter per call (23 us for 80
 parameters on a desktop CPU, 71 us on the H100 machine's host); no GPU work unless
 something changed.
@@ -51,7 +62,7 @@ class FusedWeights:
         """Make every fused weight again from the parameters in `args`, in place."""
         with torch.no_grad():
             for fused, sources in zip(self.tensors, self._sources):
-                torch.cat([args[i] for i in sources], dim=0, out=fused)
+                copy_into(fused, [args[i] for i in sources])
         self.refreshes += 1
         log.info("cgcompile: a fused linear's parameter changed; %d fused weights were made again", len(self.tensors))
 
@@ -63,28 +74,106 @@ class FusedWeights:
         return tuple((args[i].data_ptr(), args[i]._version) for i in self._watched)
 
 
-class FusedCopies:
-    """The fused weight copies of one Backend: one per set of sources for all its graphs
-    (a prefill and a decode graph fuse the same weights). Called as the copy function of
+class FusedWeightStore:
+    """The fused weights of one Backend: one per set of sources for all its graphs (a
+    prefill and a decode graph fuse the same weights), shared with the parameters where
+    they allow it, else copies (see the module's docstring). Called as the `concat` of
     `passes.fuse_sibling_linears`. A copy handed to a later graph is first made again in
     place: its sources may have been written since (graphs that read it already notice
     that themselves, see `FusedWeights`)."""
 
     def __init__(self):
         self._copies: dict[tuple, torch.Tensor] = {}
+        self._shared: list[torch.Tensor] = []
 
     def __call__(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        # A copy made inside a stream capture would live in the graph pool and be filled
+        # A weight made inside a stream capture would live in the graph pool and be filled
         # only by the capture's own run: never the case, as Dynamo compiles before any capture.
         assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), \
-            "cgcompile: a fused weight copy was requested during a CUDA graph capture"
+            "cgcompile: a fused weight was requested during a CUDA graph capture"
+        for fused in self._shared:
+            if laid_out_in(fused, parts):  # a later graph over parameters already shared
+                return fused
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in parts)
         with torch.no_grad():
             if key in self._copies:
-                return torch.cat(parts, dim=0, out=self._copies[key])
-            self._copies[key] = torch.cat(parts, dim=0)
-        return self._copies[key]
+                copy_into(self._copies[key], parts)
+                return self._copies[key]
+            fused = torch.cat(parts, dim=0)
+            why = why_not_shared(parts)
+            if why is None:
+                share(fused, parts)
+                self._shared.append(fused)
+            else:
+                log.info("cgcompile: a fused weight of %d parameters %s is a copy (%.1f MB): %s", len(parts),
+                         tuple(fused.shape), fused.numel() * fused.element_size() / 2**20, why)
+                self._copies[key] = fused
+        return fused
 
     @property
     def bytes(self) -> int:
+        """The memory the copies take beyond the parameters (shared weights take none)."""
         return sum(t.numel() * t.element_size() for t in self._copies.values())
+
+    @property
+    def shared(self) -> int:
+        return len(self._shared)
+
+
+def why_not_shared(parts: Sequence[torch.Tensor]) -> str | None:
+    """Why the parameters `parts` cannot become views of their fused weight, or None.
+    Each must be a plain parameter that spans all of its memory and is that memory's only
+    holder: otherwise another tensor (a tied weight, a kept `param.data`, a larger tensor
+    it is a view of) would stop seeing the parameter's values once it moved."""
+    storages = set()
+    for p in parts:
+        if not isinstance(p, torch.nn.Parameter) or type(p.data) is not torch.Tensor:
+            return f"a source is a {type(p).__name__}, not a plain parameter"
+        storage = p.untyped_storage()
+        if not p.is_contiguous() or p.storage_offset() != 0 or storage.nbytes() != p.numel() * p.element_size():
+            return f"a parameter of shape {tuple(p.shape)} is a view of larger memory"
+        # Holders of the memory: the parameter, and `storage` just made here.
+        if torch._C._storage_Use_Count(storage._cdata) > 2:
+            return f"a parameter of shape {tuple(p.shape)} shares its memory with another tensor (tied weights?)"
+        storages.add(storage.data_ptr())
+    if len(storages) != len(parts):
+        return "one tensor is the weight of two of the linears"
+    return None
+
+
+def share(fused: torch.Tensor, parts: Sequence[torch.nn.Parameter]) -> None:
+    """Make each parameter a view of its rows of `fused` (which holds their values)."""
+    start = 0
+    for p in parts:
+        p.data = fused.narrow(0, start, p.shape[0])
+        start += p.shape[0]
+
+
+def laid_out_in(fused: torch.Tensor, parts: Sequence[torch.Tensor]) -> bool:
+    """Whether `parts`, in order, are exactly the consecutive rows of `fused`."""
+    start = 0
+    for p in parts:
+        if not is_rows_of(p, fused, start):
+            return False
+        start += p.shape[0]
+    return start == fused.shape[0]
+
+
+def is_rows_of(part: torch.Tensor, fused: torch.Tensor, start: int) -> bool:
+    """Whether `part` is rows start.. of `fused`, in the same memory and layout."""
+    if type(part.data) is not torch.Tensor or part.dtype != fused.dtype or part.device != fused.device:
+        return False
+    if part.shape[1:] != fused.shape[1:] or start + part.shape[0] > fused.shape[0]:
+        return False
+    rows = fused.narrow(0, start, part.shape[0])
+    return part.data_ptr() == rows.data_ptr() and part.stride() == rows.stride()
+
+
+def copy_into(fused: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Copy each part into its rows of `fused`, except parts that are those rows already
+    (shared parameters): so a shared weight with one replaced parameter is refreshed too."""
+    start = 0
+    for p in parts:
+        if not is_rows_of(p, fused, start):
+            fused.narrow(0, start, p.shape[0]).copy_(p)
+        start += p.shape[0]

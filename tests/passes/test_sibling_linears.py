@@ -2,6 +2,8 @@
 With CUDA graphs (marked `cuda`): piecewise and full graphs read the fused copies, and a
 parameter update reaches graphs already captured."""
 
+import logging
+
 import pytest
 import torch
 
@@ -57,24 +59,44 @@ def test_fuses_each_group_and_matches_eager():
         assert_matches_eager(compiled_model, model, torch.randn(rows, 16))
     graphs = backend.stats.graphs_seen  # 3 rows, then dynamic rows, then 1 row (specialised)
     assert backend.stats.fused_linears == 5 * graphs  # q, k, v and gate, up; not out
-    # One copy for all graphs: [48, 16] q/k/v weights, their 48 biases, [48, 16] gate/up weights, float32
-    assert backend.stats.fused_weight_bytes == (48 * 16 + 48 + 48 * 16) * 4
+    # One fused weight for all graphs each: q/k/v weights, their biases, gate/up weights,
+    # each in the memory of the parameters, which are now views of its rows.
+    assert backend.stats.shared_fused_weights == 3 and backend.stats.fused_weight_bytes == 0
+    assert rows_of_one_tensor(model.q.weight, model.k.weight, model.v.weight)
+    assert rows_of_one_tensor(model.q.bias, model.k.bias, model.v.bias)
+    assert rows_of_one_tensor(model.gate.weight, model.up.weight)
     linears = [n for p in backend.pieces for n in p.graph.graph.nodes if getattr(n.target, "__name__", "") == "linear"]
     assert len(linears) == 3 * graphs  # fused q/k/v, fused gate/up, out
 
 
-def called_once():
-    """A compiled Projections after its first call (fused copies made), and that call's input."""
+def rows_of_one_tensor(*parameters) -> bool:
+    """Whether the parameters lie one after another in one memory, as rows of a fused weight."""
+    first = parameters[0]
+    offset = first.storage_offset()
+    for p in parameters:
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or p.storage_offset() != offset:
+            return False
+        offset += p.numel()
+    return True
+
+
+def called_once(shared: bool = True):
+    """A compiled Projections after its first call (fused weights made), that call's input,
+    and with shared=False a kept `param.data` of every parameter, so that the fused weights
+    must be copies."""
     torch.manual_seed(0)
     model = Projections()
+    kept = [] if shared else [p.data for p in model.parameters()]
     compiled_model, backend = compiled(model)
     x = torch.randn(4, 16)
     compiled_model(x)
+    assert backend.stats.shared_fused_weights == (3 if shared else 0), kept
     return model, compiled_model, backend, x
 
 
-def test_parameter_updates_reach_the_fused_weights():
-    model, compiled_model, backend, x = called_once()
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
+def test_parameter_updates_reach_the_fused_weights(shared):
+    model, compiled_model, backend, x = called_once(shared)
     with torch.no_grad():
         model.k.weight.mul_(2)  # in place through the parameter: its version counter moves
     assert_matches_eager(compiled_model, model, x)
@@ -85,8 +107,9 @@ def test_parameter_updates_reach_the_fused_weights():
     assert backend.stats.fused_weight_refreshes == 3
 
 
-def test_a_graph_compiled_after_an_update_shares_the_refreshed_copy():
-    model, compiled_model, backend, x = called_once()
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
+def test_a_graph_compiled_after_an_update_shares_the_refreshed_copy(shared):
+    model, compiled_model, backend, x = called_once(shared)
     copies = backend.stats.fused_weight_bytes
     with torch.no_grad():
         model.k.weight.mul_(2)
@@ -95,11 +118,18 @@ def test_a_graph_compiled_after_an_update_shares_the_refreshed_copy():
     assert_matches_eager(compiled_model, model, x)  # and the first graph, which refreshes itself
     assert backend.stats.graphs_seen == 3
     assert backend.stats.fused_weight_bytes == copies  # no second copy of the same weights
+    assert backend.stats.shared_fused_weights == (3 if shared else 0)
 
 
-def test_a_write_through_data_needs_a_refresh():
-    """The documented blind spot: `param.data` has its own version counter."""
+def test_a_write_through_data_reaches_a_shared_fused_weight():
     model, compiled_model, backend, x = called_once()
+    model.q.weight.data.mul_(3)  # the parameter is its rows of the fused weight
+    assert_matches_eager(compiled_model, model, x)
+
+
+def test_a_write_through_data_needs_a_refresh_of_a_copy():
+    """The documented blind spot of copies: `param.data` has its own version counter."""
+    model, compiled_model, backend, x = called_once(shared=False)
     model.q.weight.data.mul_(3)
     stale, expected = compiled_model(x)[0], model(x)[0]
     assert not torch.allclose(stale, expected)
@@ -144,13 +174,6 @@ def test_the_dynamo_graph_keeps_its_placeholders():
     assert seen["kept"] and seen["new"] == seen["added"] == ["fused_weight_0", "fused_bias_1", "fused_weight_2"]
 
 
-def sibling_bytes(model) -> int:
-    """Bytes of every q/k/v and gate/up projection of a Llama-like model (their copies)."""
-    names = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if name.split(".")[-2] in names)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hf_generate_with_fused_linears(arch):
     """Greedy tokens equal eager's (three Dynamo graphs: see tests/test_hf_generate.py); the
@@ -162,7 +185,9 @@ def test_hf_generate_with_fused_linears(arch):
         return
     layers, graphs = model.config.num_hidden_layers, backend.stats.graphs_seen
     assert backend.stats.fused_linears == 5 * layers * graphs  # q, k, v and gate, up per layer
-    assert backend.stats.fused_weight_bytes == sibling_bytes(model)
+    assert backend.stats.fused_weight_bytes == 0  # every fused weight shares its parameters' memory
+    attention = model.model.layers[0].self_attn
+    assert rows_of_one_tensor(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight)
 
 
 def test_gptj_parallel_block():
@@ -225,3 +250,39 @@ def test_full_graph_sees_a_weight_update_after_capture():
     stats = backend.stats
     assert stats.full_graph_calls > 0 and stats.fused_weight_refreshes >= 1
 
+
+
+class Tied(torch.nn.Module):
+    """Siblings whose weights cannot move: k and v are one parameter, and q's weight is a
+    view of a larger tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.storage = torch.randn(40, 16)
+        self.q, self.k = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+        self.q.weight = torch.nn.Parameter(self.storage[:8])
+        self.v = torch.nn.Linear(16, 8)
+        self.v.weight = self.k.weight
+
+    def forward(self, x):
+        return self.q(x) * self.k(x) + self.v(x)
+
+
+def test_weights_that_cannot_move_are_fused_into_copies(caplog):
+    torch.manual_seed(0)
+    model = Tied()
+    compiled_model, backend = compiled(model)
+    x = torch.randn(3, 16)
+    with caplog.at_level(logging.INFO, logger="cgcompile"):
+        torch.testing.assert_close(compiled_model(x), model(x))
+    # The weights are a copy; the biases, three parameters of their own, share.
+    assert backend.stats.fused_linears == 3 and backend.stats.shared_fused_weights == 1
+    assert backend.stats.fused_weight_bytes == 24 * 16 * 4
+    assert rows_of_one_tensor(model.q.bias, model.k.bias, model.v.bias)
+    assert model.q.weight.data_ptr() == model.storage.data_ptr()  # left where it was
+    reasons = " ".join(r.getMessage() for r in caplog.records if "is a copy" in r.getMessage())
+    assert "a view of larger memory" in reasons or "one tensor is the weight of two" in reasons
+    with torch.no_grad():
+        model.storage[:8].mul_(2)  # a write the fused copy cannot see: refreshed on request
+    backend.refresh_fused_weights()
+    torch.testing.assert_close(compiled_model(x), model(x))
