@@ -8,6 +8,8 @@ equal to the parameters they were made from.
     (`param.data = fused[rows]`). Fusing then costs no memory, and every write to a
     parameter, in place or through `param.data`, lands in the fused weight. The
     parameters' addresses move once, when their first graph is compiled, before any capture.
+    Sources that already lie one after another in one memory (shared so by another
+    backend) are read where they are.
   - a copy, where sharing cannot be proved safe (a parameter that is a view of larger
     memory, memory another tensor also holds, such as tied weights or a kept `param.data`,
     the same tensor twice, a tensor subclass); the reason is logged, and the copy's bytes
@@ -94,6 +96,10 @@ class FusedWeightStore:
         for fused in self._shared:
             if laid_out_in(fused, parts):  # a later graph over parameters already shared
                 return fused
+        in_place = adjacent_rows(parts)
+        if in_place is not None:  # shared already (by another backend), or laid out so by the model
+            self._shared.append(in_place)
+            return in_place
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in parts)
         with torch.no_grad():
             if key in self._copies:
@@ -139,6 +145,24 @@ def why_not_shared(parts: Sequence[torch.Tensor]) -> str | None:
     if len(storages) != len(parts):
         return "one tensor is the weight of two of the linears"
     return None
+
+
+def adjacent_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A tensor whose consecutive rows `parts` are, over their own memory, where they lie one
+    after another in one memory (parameters another backend made views of its fused
+    weight, or a model that keeps them so), else None."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if type(p.data) is not torch.Tensor or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]:
+            return None
+        if not p.is_contiguous() or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        if p.storage_offset() != offset:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def share(fused: torch.Tensor, parts: Sequence[torch.nn.Parameter]) -> None:

@@ -286,3 +286,17 @@ def test_weights_that_cannot_move_are_fused_into_copies(caplog):
         model.storage[:8].mul_(2)  # a write the fused copy cannot see: refreshed on request
     backend.refresh_fused_weights()
     torch.testing.assert_close(compiled_model(x), model(x))
+
+
+def test_a_second_backend_reads_weights_another_one_shared():
+    """Parameters a first backend made views of its fused weights lie one after another
+    already: a second backend over the same model reads them there (no copy)."""
+    model, compiled_model, backend, x = called_once()
+    torch._dynamo.reset()
+    second_model, second = compiled(model)
+    assert_matches_eager(second_model, model, x)
+    assert second.stats.shared_fused_weights == 3 and second.stats.fused_weight_bytes == 0
+    with torch.no_grad():
+        model.up.weight.mul_(-1)  # one memory: both backends see it
+    assert_matches_eager(second_model, model, x)
+    assert_matches_eager(compiled_model, model, x)
