@@ -75,6 +75,9 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
                         "(where the host time of a call goes)")
+    p.add_argument("--spec-guards", default="kept", choices=["kept", "dropped", "both"],
+                   help="Dynamo's DTensor spec guards on parameters: kept, dropped (cgcompile checks the specs, "
+                        "cgcompile.parallel.dtensor_guards), or both as two variants")
     p.add_argument("--guard-probe", action="store_true",
                    help="also time each compiled variant with Dynamo's guards skipped (torch.compiler.set_stance("
                         "skip_guard_eval_unsafe=True), a measurement only: unsound in use): the difference is what "
@@ -204,23 +207,29 @@ def profile_calls(forward, model, prompt, args, label: str, device) -> None:
 
 
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
-    """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`."""
+    """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`
+    and per --spec-guards choice (the variant's name ends in "-nospec" where dropped)."""
+    from cgcompile.parallel.dtensor_guards import without_parameter_spec_guards
+
     eager_forward = model.forward
-    for all_reduce in all_reduces:
+    drops = {"kept": [False], "dropped": [True], "both": [False, True]}[args.spec_guards]
+    for all_reduce, dropped in ((a, d) for a in all_reduces for d in drops):
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local"))
-        model.forward = torch.compile(eager_forward, backend=backend)
+        options = {"guard_filter_fn": without_parameter_spec_guards} if dropped else None
+        model.forward = torch.compile(eager_forward, backend=backend, options=options)
+        variant = f"{prefix}-cgcompile" + ("-nospec" if dropped else "")
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
-            profile_calls(model.forward, model, prompt, args, f"{prefix} all_reduce={all_reduce}", device)
+            profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
         if args.guard_probe:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 unguarded_tokens, unguarded_ms, unguarded_host_ms = measure(model.forward, model, prompt, args, device)
-            report(f"{prefix}-cgcompile-unguarded", all_reduce, unguarded_ms, unguarded_tokens,
+            report(f"{variant}-unguarded", all_reduce, unguarded_ms, unguarded_tokens,
                    host_ms_per_call=round(unguarded_host_ms, 4))
         stats = backend.stats
-        report(f"{prefix}-cgcompile", all_reduce, ms, tokens, host_ms_per_call=round(host_ms, 4),
+        report(variant, all_reduce, ms, tokens, host_ms_per_call=round(host_ms, 4),
                graphs_captured=stats.graphs_captured,
                full_graph_calls=f"{stats.full_graph_calls}/{stats.full_graph_calls + stats.piecewise_calls}")
         model.forward = eager_forward
@@ -260,13 +269,14 @@ def print_summary(rows, args):
 
     single = ms("tp1-cgcompile", "auto")
     for all_reduce in args.all_reduce.split(","):
-        tp = ms(f"{args.prefix}-cgcompile", all_reduce)
-        if tp and single:
-            host, single_host = ms(f"{args.prefix}-cgcompile", all_reduce, "host_ms_per_call"), \
-                ms("tp1-cgcompile", "auto", "host_ms_per_call")
-            print(f"{args.prefix}-cgcompile all_reduce={all_reduce}: {tp:.3f} ms/token (host {host:.3f} ms a call); "
-                  f"tp1-cgcompile {single:.3f} (host {single_host:.3f}); "
-                  f"tp1/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
+        for name in (f"{args.prefix}-cgcompile", f"{args.prefix}-cgcompile-nospec"):
+            tp = ms(name, all_reduce)
+            if tp and single:
+                host, single_host = ms(name, all_reduce, "host_ms_per_call"), \
+                    ms("tp1-cgcompile", "auto", "host_ms_per_call")
+                print(f"{name} all_reduce={all_reduce}: {tp:.3f} ms/token (host {host:.3f} ms a call); "
+                      f"tp1-cgcompile {single:.3f} (host {single_host:.3f}); "
+                      f"tp1/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
     eager = ms(f"{args.prefix}-eager", "-")
     if eager:
         print(f"{args.prefix}-eager: {eager:.3f} ms/token")

@@ -42,7 +42,7 @@ TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq,tp1
       --steps 20 --warmup 3)
 PP8B=(benchmarks/distributed_bench.py --models 8b --pp-batches 16,32,64,128 --steps 20 --warmup 3)
-HF=(benchmarks/hf_tp_bench.py --shape 8b --layers 8 --tokens 32 --repeats 3)
+HF=(benchmarks/hf_tp_bench.py --shape 8b --layers 8 --tokens 32 --repeats 3 --spec-guards both)
 
 run() {  # run NAME LIMIT COMMAND...: under min(LIMIT, budget left) seconds, output to $OUT/NAME.log
   local name=$1 limit=$2; shift 2

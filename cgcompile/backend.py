@@ -137,7 +137,7 @@ class Backend:
             split.stitch, list(runners.runners), clone, self.config.split.cudnn_attention,
             phases.call_sizing(build, self.session),
             full=full.graph, fused=fusion.weights, addresses=watch, session=self.session, recovery=recovery,
-            graph_name=f"graph{index}",
+            graph_name=f"graph{index}", specs=phases.dtensor_specs(build, gm, example_inputs),
         )
         self.runtimes.append(runtime)
         self._dump(index, gm, split, analysis, full.summary)

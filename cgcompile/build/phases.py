@@ -25,6 +25,7 @@ from ..config import AUTO, Config, FullGraphOptions
 from ..errors import ConfigError
 from ..run.full_graph import FullGraph, plain_function
 from ..run.graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
+from ..parallel.dtensor_guards import ParameterSpecs, parameter_specs
 from ..parallel.fast_all_reduce import route_graph_all_reduces
 from ..passes import (
     CaptureDim,
@@ -435,6 +436,13 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
     inner_names = [name for i in wrapped for name in inner[i]]
     return AddressWatch(f"graph{build.index}", tuple(indices), tuple(names[i] for i in indices) + tuple(inner_names),
                         tuple(wrapped))
+
+
+def dtensor_specs(build: GraphBuild, gm: torch.fx.GraphModule, example_inputs: list) -> ParameterSpecs | None:
+    """The specs of the graph's DTensor parameters, checked at every call, so that Dynamo's
+    per-parameter spec guards may be dropped (`parallel.dtensor_guards`); None without any."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return parameter_specs(f"graph{build.index}", names, example_inputs)
 
 
 def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,

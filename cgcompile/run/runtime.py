@@ -325,6 +325,8 @@ class GraphRuntime:
     graph_name: the Dynamo graph's ("graph<k>"), for the replay plans' log.
     recovery: a `recovery.PieceRecovery`: where a graph piece's capture fails, the
         runtime asks it for the piece split again (None: the failure is raised).
+    specs: a `parallel.dtensor_guards.ParameterSpecs`, the DTensor parameters' specs,
+        checked first at every call (None: the graph has none).
 
     `step` records the last call's `CallSize` (for tests and inspection; nothing reads
     it to run a call).
@@ -344,8 +346,10 @@ class GraphRuntime:
         session: Any = None,
         graph_name: str = "graph",
         recovery: Recovery | None = None,
+        specs: Any = None,
     ):
         self.recovery = recovery
+        self.specs = specs
         self.stitch = Stitch(stitch, runners, self._guarded if recovery is not None else None)
         self.clone_outputs = clone_outputs
         self.cudnn_attention = cudnn_attention
@@ -401,6 +405,8 @@ class GraphRuntime:
             self.full.clear()
 
     def __call__(self, *args):
+        if self.specs is not None:
+            self.specs.check(args)
         if self.fused is not None:
             args = self.fused.extend(args)
         graphs = self.addresses is None or self.addresses.allow(args)

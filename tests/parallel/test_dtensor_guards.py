@@ -1,0 +1,100 @@
+"""Dynamo's DTensor spec guards on parameters dropped, and cgcompile's own check of the specs
+at every call (one gloo rank on CPU)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cgcompile
+from cgcompile.parallel.dtensor_guards import without_parameter_spec_guards
+
+
+@pytest.fixture
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+class Sharded(torch.nn.Module):
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]), requires_grad=False)
+
+    def forward(self, x):
+        return torch.relu(x @ self.w.to_local())
+
+
+@dataclasses.dataclass
+class Entry:  # the fields of torch._dynamo.types.GuardFilterEntry the filter reads
+    name: str
+    guard_type: str
+
+
+def test_the_filter_drops_only_the_spec_guards_of_parameters():
+    entries = [Entry("L['self']._modules['q']._parameters['weight']", "DTENSOR_SPEC_MATCH"),
+               Entry("L['self']._modules['q']._parameters['weight']", "TENSOR_MATCH"),
+               Entry("L['x']", "DTENSOR_SPEC_MATCH"),  # an activation: Dynamo keeps checking it
+               Entry("L['self']._modules['q']._buffers['scale']", "DTENSOR_SPEC_MATCH")]
+    assert without_parameter_spec_guards(entries) == [False, True, True, True]
+
+
+def compiled(model, filtered: bool):
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    options = {"guard_filter_fn": without_parameter_spec_guards} if filtered else None
+    return torch.compile(model, backend=backend, options=options), backend
+
+
+@pytest.mark.parametrize("filtered", [False, True], ids=["guarded", "filtered"])
+def test_equal_specs_in_new_objects_run_on(mesh, filtered):
+    """A parameter replaced by another with the same placements (a reloaded checkpoint)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    model = Sharded(mesh)
+    forward, backend = compiled(model, filtered)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), model(x))
+        model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, model.w.placements),
+                                     requires_grad=False)
+        for _ in range(2):
+            torch.testing.assert_close(forward(x), model(x))
+    assert backend.runtimes[0].specs is not None and backend.runtimes[0].specs.names == ("l_self_parameters_w_",)
+
+
+def test_a_resharded_parameter_raises_where_dynamo_no_longer_checks(mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(0)
+    model = Sharded(mesh)
+    forward, _ = compiled(model, filtered=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        forward(x)
+        model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]), requires_grad=False)
+        with pytest.raises(cgcompile.CGCompileError, match=r"l_self_parameters_w_.*expected the spec its graph was "
+                                                             r"compiled for .*compile without that filter"):
+            forward(x)
+
+
+def test_with_dynamos_guards_a_resharded_parameter_compiles_again(mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch.manual_seed(0)
+    model = Sharded(mesh)
+    forward, backend = compiled(model, filtered=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        forward(x)
+        model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]), requires_grad=False)
+        torch.testing.assert_close(forward(x), model(x))
+    assert backend.stats.graphs_seen == 2
