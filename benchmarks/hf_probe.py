@@ -76,9 +76,10 @@ class PlainLoop:
                             cache_position=self.positions[k % self.span], logits_to_keep=1).logits
 
 
-def generate_parts(model, forward, batch: int, new_tokens: int, device) -> dict:
+def generate_parts(model, forward, batch: int, new_tokens: int, device, profile: bool = False) -> dict:
     """generate() with `forward` (compiled): wall ms per token, and the host ms of the
-    forward calls inside it; the rest is generate()'s own Python and its waits."""
+    forward calls inside it; the rest is generate()'s own Python and its waits. profile: a
+    cProfile of one more run, its top functions by own time under "profile"."""
     from transformers import StaticCache
 
     prompt = torch.ones(batch, PROMPT, dtype=torch.long, device=device)
@@ -111,11 +112,29 @@ def generate_parts(model, forward, batch: int, new_tokens: int, device) -> dict:
             synchronize(device)
             walls.append((time.perf_counter() - start) * 1e3 / new_tokens)
             forwards.append(in_forward[0] * 1e3 / new_tokens)
+        profiled = profile_text(run, new_tokens) if profile else None
     finally:
         model.forward = inner
     wall, in_calls = statistics.median(walls), statistics.median(forwards)
     return {"batch": batch, "wall_ms_per_token": wall, "forward_calls_ms_per_token": in_calls,
-            "rest_ms_per_token": wall - in_calls}
+            "rest_ms_per_token": wall - in_calls, "profile": profiled}
+
+
+def profile_text(run, new_tokens: int) -> str:
+    """One run under cProfile: the functions with the most own time, then the most
+    cumulative time (per token: divide by `new_tokens`)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    out.write(f"(one generate() of {new_tokens} tokens)\n")
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    return out.getvalue()
 
 
 def kernel_report(loop: PlainLoop, model, batch: int, steps: int, peak_gbs: float, floor: float, out_dir: str) -> str:
@@ -154,6 +173,8 @@ def parse_args(argv=None):
     p.add_argument("--fuse-sibling-linears", action="store_true",
                    help="Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each, as the project's "
                         "decode model has them")
+    p.add_argument("--profile-generate", action="store_true",
+                   help="a cProfile of one generate() run per batch: where its host time goes")
     p.add_argument("--kernels", action="store_true",
                    help="on CUDA: the plain loop's kernels per step, by class, beside the weight-bytes floor "
                         "(the chrome traces go to $OUT, default /tmp)")
@@ -196,15 +217,18 @@ def main(argv=None) -> int:
         backend = cgcompile.Backend(config)
         forward = torch.compile(model.forward, backend=backend)
         for batch in args.batches:
-            parts = generate_parts(model, forward, batch, args.new_tokens, device)
+            parts = generate_parts(model, forward, batch, args.new_tokens, device, args.profile_generate)
             generates.append(parts)
             print(f"hf-generate B={batch}: {parts['wall_ms_per_token']:.3f} ms a token, of which the forward calls "
                   f"{parts['forward_calls_ms_per_token']:.3f} ms on the host and generate()'s own Python and "
                   f"waits {parts['rest_ms_per_token']:.3f} ms", flush=True)
+            if parts["profile"]:
+                print(f"== generate() profile, B={batch}\n{parts['profile']}", flush=True)
     for name, stats in (("plain loop", loop.backend.stats), ("generate()", backend.stats)):
         print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
               f"{stats.piecewise_calls} piecewise; {stats.fused_linears} linears fused, {stats.shared_fused_weights} "
-              f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies")
+              f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies; "
+              f"full-graph choices {stats.full_graph_choices}; piecewise because {stats.piecewise_reasons}")
     if args.json:
         write_json(args.json, {"environment": environment(device), "model": args.model, "layers": cfg.layers,
                                "cases": cases, "generate": generates})
