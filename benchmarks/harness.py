@@ -188,9 +188,14 @@ def floor_ms(nbytes: int, peak_gbs: float) -> float:
 
 
 def matmul_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the weight matrices a step multiplies with (the embedding table is only indexed)."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if p.dim() == 2 and "embed" not in name)
+    """Bytes of the weight matrices a step multiplies with (the embedding table is only
+    indexed); of this rank's shards where the parameters are DTensors."""
+    return sum(_local_bytes(p) for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    local = p.to_local() if hasattr(p, "to_local") else p
+    return local.numel() * local.element_size()
 
 
 def parameter_bytes(module: torch.nn.Module) -> int:

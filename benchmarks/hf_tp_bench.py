@@ -78,6 +78,9 @@ def parse_args():
     p.add_argument("--spec-guards", default="kept", choices=["kept", "dropped", "both"],
                    help="Dynamo's DTensor spec guards on parameters: kept, dropped (cgcompile checks the specs, "
                         "cgcompile.parallel.dtensor_guards), or both as two variants")
+    p.add_argument("--kernels", action="store_true",
+                   help="every rank prints its decode step's kernels by class (matmuls, collectives, copies, "
+                        "...) beside its weight-bytes floor, for the first compiled variant (step_kernels.py)")
     p.add_argument("--guard-probe", action="store_true",
                    help="also time each compiled variant with Dynamo's guards skipped (torch.compiler.set_stance("
                         "skip_guard_eval_unsafe=True), a measurement only: unsound in use): the difference is what "
@@ -206,6 +209,42 @@ def profile_calls(forward, model, prompt, args, label: str, device) -> None:
         print(f"== profile, {label}, {calls} decode calls\n{text.getvalue()}", flush=True)
 
 
+@torch.no_grad()
+def kernel_report(forward, model, prompt, args, label: str, device) -> None:
+    """The decode step's kernels on this rank (torch.profiler over steps shaped as
+    `measure`'s, after a new cache's capturing calls), by class, against the rank's floor:
+    its matmul weight bytes at its measured copy bandwidth. Every rank prints its own."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import StaticCache
+
+    from benchmarks import step_kernels
+
+    warm, steps = 3, min(16, args.tokens - 4)
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + args.tokens)
+    token = forward(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+    step = lambda t: forward(input_ids=t[:, None], past_key_values=cache, use_cache=True,  # noqa: E731
+                             logits_to_keep=1).logits[:, -1].argmax(-1)
+    for _ in range(warm):
+        token = step(token)
+    harness.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = step(token)
+        harness.synchronize(device)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    peak = harness.measure_peak_bandwidth(device)
+    nbytes = harness.matmul_weight_bytes(model)
+    breakdown = step_kernels.classify(trace, steps, ("scaled_dot_product",), {"gemm": nbytes}, peak)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"== kernels, {label}, rank {rank}\n"
+          + step_kernels.format_breakdown(breakdown, harness.floor_ms(nbytes, peak), peak), flush=True)
+
+
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
     """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`
     and per --spec-guards choice (the variant's name ends in "-nospec" where dropped)."""
@@ -223,6 +262,8 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
+        if args.kernels and device.type == "cuda" and not dropped and all_reduce == all_reduces[0]:
+            kernel_report(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
         if args.guard_probe:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 unguarded_tokens, unguarded_ms, unguarded_host_ms = measure(model.forward, model, prompt, args, device)

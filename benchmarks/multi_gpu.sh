@@ -12,6 +12,7 @@
 #   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
 #                  checkpoint takes minutes to save and load), bf16: TP=2 with
 #                  Config.all_reduce auto and nccl against the same model on one GPU
+#   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
 #   hf_check_n2    the same at a small shape in fp32: tokens match eager
@@ -82,6 +83,8 @@ fi
 step hf_tp_n2 && run hf_tp_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --json "$OUT/hf_tp_n2.json"
 step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --profile --guard-probe \
     --repeats 1
+step hf_kernels_n2 && run hf_kernels_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --kernels \
+    --spec-guards kept --repeats 1
 step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
     --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
 step tp_8b_n2_nccl && run tp_8b_n2_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \
@@ -105,6 +108,7 @@ for name in "${ORDER[@]}"; do
     tp_*) grep -h "batch\|device_copy_gbs" "$log" | grep -v '^{"model' | tail -n 8 ;;
     pp_*|tppp_*) grep -h "tok/s" "$log" | tail -n 4 ;;
     hf_profile_*) grep -h "== replay" "$log"; grep -h -A 14 "== profile" "$log" | cut -c1-160 ;;
+    hf_kernels_*) grep -h "ms/token"  "$log"; grep -h -A 9 "== kernels" "$log" ;;
     hf_*) grep -h "ms/token\|tokens match\|all-reduce \|saved" "$log" | tail -n 9 ;;
   esac
 done

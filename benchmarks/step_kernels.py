@@ -9,6 +9,9 @@ the GPU time into classes, each with the bytes it must move per step where that 
                 the launch's correlation id), or named as attention kernels (flash, fmha:
                 inside a full graph nothing runs on the host): the KV cache read per step
     copy        memcpy/memset and copy kernels (graph input copies, output clones)
+    collective  all-reduces and other collectives (NCCL's kernels, symmetric memory's
+                one- and two-shot kernels): on several GPUs, their time includes waiting
+                for the slowest rank
     elementwise everything else (norms, activations, rotary, fused Triton pointwise)
 
 and the gaps between consecutive kernels, by what launched the kernels on either side
@@ -27,6 +30,7 @@ KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul", re.I)
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
 COPY = re.compile(r"copy|memcpy|memset|fill", re.I)
+COLLECTIVE = re.compile(r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter|one_shot|two_shot", re.I)
 GRAPH_LAUNCH = "cudaGraphLaunch"
 
 
@@ -83,6 +87,8 @@ def _class_of(kernel: dict, launch: dict | None, attention_ranges: list[tuple[fl
     name = kernel.get("name", "")
     if ATTENTION.search(name):
         return "attention"
+    if COLLECTIVE.search(name):
+        return "collective"
     if kernel["cat"] != "kernel" or COPY.search(name) and not GEMM.search(name):
         return "copy"
     return "gemm" if GEMM.search(name) else "elementwise"
