@@ -2,7 +2,15 @@
 
 A ~1.1B-parameter Llama (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate
 8192, vocab 32000) with random bf16 weights; prompt 128 tokens, 256 new tokens, greedy,
-batch 1 and 8. Variants:
+batch 1 and 8. --model 8b: Llama-3-8B's layer shapes (hidden 4096, 32 layers, 32 heads, 8 KV
+heads, intermediate 14336, vocab 32000). --family: the same shape in another family
+(`hf_families.py`): qwen2 (q/k/v biases), mistral (a 64-token sliding window on every layer),
+gemma2 (soft-capped attention and logits, sliding window on every other layer; eager
+attention), qwen3_moe (16 experts of width intermediate / 8, 2 per token: 1.9B parameters,
+0.87 GB read per token at the 1b shape). On CUDA the table is followed by the weight-bytes
+floor: the bytes a token's step reads (for qwen3_moe only its 2 experts, so a lower bound
+at batch 8) over the device's measured copy bandwidth, as decode tokens/s per batch.
+Variants:
 
     eager           model.generate() as is (DynamicCache)
     cgcompile       model.forward = torch.compile(model.forward, backend=cgcompile.Backend(
@@ -63,7 +71,10 @@ generate()'s compile on or off (disable_compile=True), so it measures nothing.
     python benchmarks/hf_bench.py --batches 1                       # half of it, if time is short
     python benchmarks/hf_bench.py --variants eager,cgcompile,breakable --rounds 3 --long-tokens 1000
     python benchmarks/hf_bench.py --loop --variants eager,cgcompile,breakable --long-tokens 1000  # no generate()
+    python benchmarks/hf_bench.py --family qwen3_moe --variants static,cgcompile-static-default --rounds 3
+    python benchmarks/hf_bench.py --model 8b --variants static,cgcompile-static-default --rounds 3
     python benchmarks/hf_bench.py --tiny --device cpu               # smoke test, CUDA-only variants skipped
+    python benchmarks/hf_bench.py --tiny --device cpu --family gemma2 --variants eager,cgcompile-static-default
 
 Method:
   - Warm-up, one variant after another: every variant starts cold, a freshly built model
@@ -116,16 +127,16 @@ from typing import Callable
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import cgcompile
 import harness
+import hf_families
+from cgcompile.testing.decode_model import MODEL_CONFIGS, ModelConfig
 from harness import fresh_compile_cache
 
-FULL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+SHAPES = {"1b": ModelConfig(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000),
+          "8b": MODEL_CONFIGS["8b"]}
+TINY = ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=128)
 CUDA_ONLY = ("static",)  # generate() compiles a static cache's decode step on accelerators only
 TARGET_VS_EAGER = 2.5
 TARGET_VS_STATIC = 0.9
@@ -166,7 +177,7 @@ class Loaded:
     """A warmed-up variant, kept for the interleaved timing rounds."""
 
     row: Row
-    model: LlamaForCausalLM
+    model: transformers.PreTrainedModel
     kwargs: dict
     backend: "cgcompile.Backend | cgcompile.GraphManager | None"
     full_s: list[float] = dataclasses.field(default_factory=list)
@@ -250,14 +261,16 @@ VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3grap
 # -- measuring ----------------------------------------------------------------------------
 
 
-def build_model(args) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(**(TINY if args.tiny else FULL))
-    with torch.device(args.device):
-        model = LlamaForCausalLM._from_config(config, dtype=getattr(torch, args.dtype)).eval()
-    model.generation_config.eos_token_id = None  # random weights: always generate all tokens
-    model.generation_config.pad_token_id = 0
-    return model
+def shape(args) -> ModelConfig:
+    return TINY if args.tiny else SHAPES[args.model]
+
+
+def build_model(args, device: str | None = None) -> transformers.PreTrainedModel:
+    """The --family model of the --model shape, random weights (the same for every variant);
+    eos_token_id None: every generate() makes all its tokens."""
+    window = hf_families.TINY_SLIDING_WINDOW if args.tiny else hf_families.SLIDING_WINDOW
+    return hf_families.build(args.family, shape(args), device or args.device, getattr(torch, args.dtype),
+                             max_positions=512 if args.tiny else 4096, window=window)
 
 
 def make_prompt(args, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,7 +569,35 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_table(rows: list[Row], checks: list[dict]) -> None:
+def weight_floor(args) -> dict | None:
+    """On CUDA: the bytes a token's decode step reads from the weights (a model on the meta
+    device counts them), the measured copy bandwidth, and the decode tokens/s that reading
+    them once a step allows at each batch (KV cache reads left out)."""
+    info = hf_families.describe(build_model(args, device="meta"))
+    if args.device != "cuda":
+        return {"model": info}
+    peak_gbs = harness.measure_peak_bandwidth(torch.device(args.device))
+    step_ms = harness.floor_ms(info["step_weight_bytes"], peak_gbs)
+    batches = [int(b) for b in args.batches.split(",")]
+    return {"model": info, "peak_gbs": peak_gbs, "floor_step_ms": step_ms,
+            "floor_tok_s": {b: b / step_ms * 1e3 for b in batches}}
+
+
+def format_floor(floor: dict) -> str:
+    info = floor["model"]
+    text = f"{info['family']}, {info['parameters'] / 1e9:.2f}B parameters: {info}"
+    if "floor_step_ms" not in floor:
+        return text
+    rates = ", ".join(f"{rate:.0f} at batch {b}" for b, rate in floor["floor_tok_s"].items())
+    moe = (f" (only the {info['experts_per_token']} of {info['experts']} experts one token reads: a lower bound "
+           "where a step's tokens route to more)") if "experts" in info else ""
+    return (f"{text}\nweight-bytes floor: {info['step_weight_bytes'] / 1e9:.2f} GB a step{moe} at "
+            f"{floor['peak_gbs']:.0f} GB/s: {floor['floor_step_ms']:.3f} ms a step, decode tok/s at most {rates}")
+
+
+def print_table(rows: list[Row], checks: list[dict], floor: dict | None = None) -> None:
+    if floor:
+        print("\n== " + format_floor(floor))
     print(f"\n{'variant':<17} {'batch':>5} {'prefill ms':>10} {'decode tok/s':>12} {'(best)':>8} {'x eager':>8} "
           f"{'warm-up s':>9} {'first call s':>12} {'graphs':>6}  tokens = eager")
     for r in rows:
@@ -586,16 +627,20 @@ def print_table(rows: list[Row], checks: list[dict]) -> None:
 
 def environment(args) -> dict:
     return harness.environment(
-        args.device, transformers=transformers.__version__, model=TINY if args.tiny else FULL, dtype=args.dtype,
+        args.device, transformers=transformers.__version__, family=args.family,
+        model="tiny" if args.tiny else args.model, shape=dataclasses.asdict(shape(args)), dtype=args.dtype,
         prompt_len=args.prompt_len, new_tokens=args.new_tokens, compiler=args.compiler, rounds=args.rounds,
         long_tokens=args.long_tokens, loop=args.loop, keep_cache=args.keep_cache, cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled(),
         process_start_s=getattr(args, "process_start_s", None))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model and short runs: a smoke test")
+    parser.add_argument("--family", choices=hf_families.FAMILIES, default="llama",
+                        help="the model's family, at the --model shape (hf_families.py)")
+    parser.add_argument("--model", choices=sorted(SHAPES), default="1b", help="the layer shape (--tiny overrides it)")
     parser.add_argument("--variants", default="eager,cgcompile,static", help=f"comma-separated, from {list(VARIANTS)}")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=None, help="default 128 (16 with --tiny)")
@@ -624,7 +669,7 @@ def parse_args() -> argparse.Namespace:
                              "target is then issue 32's (>= 0.8x cgcompile)")
     parser.add_argument("--no-cudnn-attention", action="store_true",
                         help="turn off SDPA's cuDNN backend for every variant (it builds a plan per key length)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.log_info:
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(message)s")
         logging.getLogger("cgcompile").setLevel(logging.INFO)
@@ -646,8 +691,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     variants = args.variants.split(",")
     if "eager" in variants:  # eager first: its tokens are the reference
@@ -655,15 +700,17 @@ def main() -> None:
     print(environment(args))
     process_s = args.process_start_s = start_process(args)
     print(f"process start-up (CUDA context, Inductor and Triton): {process_s:.1f} s, in no variant's warm-up")
+    floor = weight_floor(args)
+    print(format_floor(floor), flush=True)
     rows = []
     for batch in batches:
         for row in measure_batch(batch, variants, args):
             rows.append(row)
             print(row, flush=True)
-        write_json(args, rows, targets(rows, batches, args.loop))  # after every batch: a killed run keeps its rows
+        write_json(args, rows, targets(rows, batches, args.loop), floor)  # after every batch: a killed run keeps its rows
     checks = targets(rows, batches, args.loop)
-    print_table(rows, checks)
-    if write_json(args, rows, checks):
+    print_table(rows, checks, floor)
+    if write_json(args, rows, checks, floor):
         print(f"wrote {os.environ['OUT']}/hf_bench.json")
 
 
@@ -682,11 +729,12 @@ def start_process(args) -> float:
     return harness.wall_s(start, args.device)[0]
 
 
-def write_json(args, rows: list[Row], checks: list[dict]) -> bool:
+def write_json(args, rows: list[Row], checks: list[dict], floor: dict) -> bool:
     if not os.environ.get("OUT"):
         return False
     harness.write_json(harness.default_out("hf_bench.json"), {
-        "environment": environment(args), "rows": [dataclasses.asdict(r) for r in rows], "targets": checks})
+        "environment": environment(args), "rows": [dataclasses.asdict(r) for r in rows], "targets": checks,
+        "floor": floor})
     return True
 
 

@@ -1,5 +1,6 @@
 """Where the host time of a transformers model's decode step goes, beside the project's own
-decode model of the same shape (`host_probe.py`'s parts, on a transformers Llama).
+decode model of the same shape (`host_probe.py`'s parts, on a transformers Llama, or with
+--family on a Qwen2, Mistral, Gemma2 or Qwen3-MoE model: `hf_families.py`).
 
 Two loops over one StaticCache, `model.forward` compiled with `cgcompile.Backend()` (the
 default Config):
@@ -15,10 +16,13 @@ default Config):
                value every step to decide whether to stop).
 
 Both print the step on the device (CUDA events, back to back) and the weight-bytes floor
-(`harness.floor_ms`) on CUDA. Random weights, no download:
+(`harness.floor_ms`) on CUDA: the bytes a token's step reads (`hf_families.step_weight_bytes`;
+for qwen3_moe only the top-k experts a token routes to, a lower bound at batches above 1).
+Random weights, no download:
 
     python benchmarks/hf_probe.py --model 1b --batches 1,8 --dtype bf16        # the issue's 1.1B shape
     python benchmarks/host_probe.py --model 1b --batches 1,8 --variants cgcompile-inductor   # beside it
+    python benchmarks/hf_probe.py --family gemma2 --model 1b --batches 1,8     # another family, same shape
     python benchmarks/hf_probe.py --device cpu --model tiny --batches 1 --steps 5 --dtype fp32   # smoke test
 """
 
@@ -35,26 +39,11 @@ import torch
 
 import cgcompile
 from cgcompile.testing.decode_model import MODEL_CONFIGS
-from harness import (environment, floor_ms, log, matmul_weight_bytes, measure_peak_bandwidth, parameter_bytes,
-                     synchronize, write_json)
+from harness import environment, floor_ms, log, matmul_weight_bytes, measure_peak_bandwidth, synchronize, write_json
+from hf_families import FAMILIES, SLIDING_WINDOW, TINY_SLIDING_WINDOW, build, describe, step_weight_bytes
 from host_probe import DTYPES, format_case, probe_case
 
 PROMPT = 16
-
-
-def build_llama(cfg, device: torch.device, dtype: torch.dtype):
-    """A transformers Llama of the decode model's shape (`MODEL_CONFIGS`), random weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
-                         num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads, vocab_size=cfg.vocab,
-                         max_position_embeddings=4096)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    model.generation_config.eos_token_id = None  # random weights: exactly max_new_tokens
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 class PlainLoop:
@@ -161,12 +150,42 @@ def kernel_report(loop: PlainLoop, model, batch: int, steps: int, peak_gbs: floa
             + step_kernels.format_breakdown(breakdown, floor, peak_gbs))
 
 
+def probe_generate(model, config: cgcompile.Config, args, device) -> tuple[list[dict], cgcompile.Backend | None]:
+    """generate()'s split at each batch (`generate_parts`), and its Backend; none with
+    --new-tokens 0."""
+    if not args.new_tokens:
+        return [], None
+    # generate() passes other arguments than the loop: its own Dynamo graphs and Backend.
+    torch._dynamo.reset()
+    backend = cgcompile.Backend(config)
+    forward = torch.compile(model.forward, backend=backend)
+    generates = []
+    for batch in args.batches:
+        parts = generate_parts(model, forward, batch, args.new_tokens, device, args.profile_generate)
+        generates.append(parts)
+        print(f"hf-generate B={batch}: {parts['wall_ms_per_token']:.3f} ms a token, of which the forward calls "
+              f"{parts['forward_calls_ms_per_token']:.3f} ms on the host and generate()'s own Python and "
+              f"waits {parts['rest_ms_per_token']:.3f} ms", flush=True)
+        if parts["profile"]:
+            print(f"== generate() profile, B={batch}\n{parts['profile']}", flush=True)
+    return generates, backend
+
+
+def floor_note(model) -> str:
+    experts = getattr(model.config, "num_experts", None)
+    if not experts:
+        return ""
+    return (f" (only the {model.config.num_experts_per_tok} of {experts} experts one token reads: "
+            f"a lower bound at batches above 1)")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=sorted(MODEL_CONFIGS), default="1b")
+    p.add_argument("--family", choices=FAMILIES, default="llama", help="the model's family (hf_families.py)")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens of each generate() run")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens of each generate() run (0: no generate())")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", default=None, help="write the cases here")
@@ -186,17 +205,18 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device, cfg, dtype = torch.device(args.device), MODEL_CONFIGS[args.model], DTYPES[args.dtype]
-    log(f"hf probe: transformers Llama of the {args.model} shape ({cfg.layers} layers), {args.dtype}, "
-        f"batches {args.batches}")
-    model = build_llama(cfg, device, dtype)
-    weight_bytes = parameter_bytes(model) - parameter_bytes(model.model.embed_tokens)
+    window = TINY_SLIDING_WINDOW if args.model == "tiny" else SLIDING_WINDOW
+    model = build(args.family, cfg, device, dtype, window=window)
+    log(f"hf probe: transformers {args.family} of the {args.model} shape ({cfg.layers} layers), {args.dtype}, "
+        f"batches {args.batches}; {describe(model)}")
+    weight_bytes = step_weight_bytes(model)
     peak_gbs = measure_peak_bandwidth(device) if device.type == "cuda" else None
     floor = floor_ms(weight_bytes, peak_gbs) if peak_gbs else None
     config = cgcompile.Config(fuse_sibling_linears=args.fuse_sibling_linears)
     if device.type != "cuda":
         config = dataclasses.replace(config, compiler="eager")
     loop = PlainLoop(model, cgcompile.Backend(config), args.batches, device, args.steps)
-    cases, generates = [], []
+    cases = []
     with torch.inference_mode():
         for batch in args.batches:
             for k in range(3):  # compile and capture: the first steps of each size
@@ -205,32 +225,23 @@ def main(argv=None) -> int:
             case = probe_case("hf-plain-loop", loop, batch, args.steps, device)
             case["floor_ms"] = floor
             cases.append(case)
-            print(format_case(case, cfg.layers) + (f"\n  weight-bytes floor {floor * 1e3:.0f} us" if floor else ""),
-                  flush=True)
+            print(format_case(case, cfg.layers) + (f"\n  weight-bytes floor {floor * 1e3:.0f} us{floor_note(model)}"
+                                                   if floor else ""), flush=True)
         if args.kernels and device.type == "cuda":
             for batch in args.batches:
                 print(f"== kernels, hf-plain-loop B={batch}\n"
                       + kernel_report(loop, model, batch, 20, peak_gbs, floor, os.environ.get("OUT", "/tmp")),
                       flush=True)
-        # generate() passes other arguments than the loop: its own Dynamo graphs and Backend.
-        torch._dynamo.reset()
-        backend = cgcompile.Backend(config)
-        forward = torch.compile(model.forward, backend=backend)
-        for batch in args.batches:
-            parts = generate_parts(model, forward, batch, args.new_tokens, device, args.profile_generate)
-            generates.append(parts)
-            print(f"hf-generate B={batch}: {parts['wall_ms_per_token']:.3f} ms a token, of which the forward calls "
-                  f"{parts['forward_calls_ms_per_token']:.3f} ms on the host and generate()'s own Python and "
-                  f"waits {parts['rest_ms_per_token']:.3f} ms", flush=True)
-            if parts["profile"]:
-                print(f"== generate() profile, B={batch}\n{parts['profile']}", flush=True)
-    for name, stats in (("plain loop", loop.backend.stats), ("generate()", backend.stats)):
+        generates, backend = probe_generate(model, config, args, device)
+    backends = (("plain loop", loop.backend), ("generate()", backend))
+    for name, stats in ((name, b.stats) for name, b in backends if b is not None):
         print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
               f"{stats.piecewise_calls} piecewise; {stats.fused_linears} linears fused, {stats.shared_fused_weights} "
               f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies; "
               f"full-graph choices {stats.full_graph_choices}; piecewise because {stats.piecewise_reasons}")
     if args.json:
-        write_json(args.json, {"environment": environment(device), "model": args.model, "layers": cfg.layers,
+        write_json(args.json, {"environment": environment(device), "model": args.model, "family": args.family,
+                               "model_info": describe(model), "layers": cfg.layers,
                                "cases": cases, "generate": generates})
     return 0
 

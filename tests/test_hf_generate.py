@@ -23,6 +23,7 @@ step. Decode step 2 fails graph 1's stride guard on `past_key_values.layers[0].k
 graph 2 serves every later step. (On CUDA it is two graphs: see the CUDA tests below.)
 """
 
+import importlib
 import json
 import math
 import os
@@ -261,6 +262,41 @@ def test_benchmark_greedy_loop_smoke_on_cpu(tmp_path):
     # 8 new tokens: 7 decode steps, clocked after each: 6 intervals, one a window.
     assert len(rows["breakable"]["long_decode_tok_s_windows"]) == 6
     assert {t["target"] for t in report["targets"]} >= {"breakable / cgcompile"}
+
+
+# benchmarks/hf_families.py's families beside Llama (the smoke tests above), each with what
+# makes it differ from a Llama at the tiny shape: a rolling 8-token window under a 16-token
+# prompt, soft-capping with eager attention, 2 of 16 experts per token.
+BENCH_FAMILIES = {
+    "qwen2": {},
+    "mistral": {"sliding_window": 8, "sliding_layers": 2},
+    "gemma2": {"sliding_window": 8, "sliding_layers": 1, "attention": "eager"},
+    "qwen3_moe": {"experts": 16, "experts_per_token": 2},
+}
+
+
+@pytest.mark.parametrize("family", list(BENCH_FAMILIES))
+def test_benchmark_family_smoke_on_cpu(family, tmp_path, monkeypatch):
+    """--family: the static cache under the default Config gives eager's tokens. In this
+    process, where torch and transformers are imported already (a subprocess per family
+    would spend most of its time importing them)."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    hf_bench = importlib.import_module("hf_bench")
+    argv = ["--tiny", "--device", "cpu", "--family", family, "--variants", "eager,cgcompile-static-default",
+            "--batches", "1", "--rounds", "1", "--new-tokens", "4"]
+    threads = torch.get_num_threads()  # --tiny on the CPU runs one thread
+    try:
+        hf_bench.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    report = json.loads((tmp_path / "hf_bench.json").read_text())
+    assert report["environment"]["family"] == report["floor"]["model"]["family"] == family
+    assert BENCH_FAMILIES[family].items() <= report["floor"]["model"].items()
+    rows = {r["variant"]: r for r in report["rows"]}
+    assert all(r["error"] is None for r in rows.values()), [r["error"] for r in rows.values()]
+    assert rows["cgcompile-static-default"]["tokens_equal_eager"] == "20/20"  # prompt 16 + 4 new tokens
 
 
 # The README's optional line for transformers users: every dimension of the cache tensors
