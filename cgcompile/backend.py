@@ -77,7 +77,7 @@ class Backend:
         self._compiler = PieceCompiler(
             self.config.compile.compiler, self.config.compile.compile_sizes,
             dict(self.config.compile.inductor_options), dict(self.config.compile.size_inductor_options),
-            all_reduce=self.config.rewrites.all_reduce,
+            all_reduce=self.config.rewrites.all_reduce, matvec_as_reduction=self.config.compile.matvec_as_reduction,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
@@ -107,6 +107,7 @@ class Backend:
             compilations=self._compiler.compilations,
             specialised_compilations=self._compiler.specialised_compilations,  # made at first calls
             specialise_s=self._compiler.specialise_s,
+            matvec_reductions=self._compiler.matvec_reductions,
             graphs_captured=self.session.graphs_captured,
         )
         for name, value in reported.items():

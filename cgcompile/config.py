@@ -370,6 +370,17 @@ class Compile(_Group):
         options lengthen the warm-up: coordinate_descent_tuning benchmarks the tile sizes of every
         kernel, max_autotune_gemm the GEMM templates of every distinct shape. None are set by
         default. Needs an Inductor compile: compiler="inductor", or a full graph that compiles.""")
+    matvec_as_reduction: bool = option(False, _bool, doc="""
+        Every bf16/fp16 linear whose input has exactly one row at static shapes is compiled as a
+        multiply and a sum over the input features (one Inductor reduction, float32
+        accumulation) instead of cuBLAS's matrix product. Static shapes: a graph Dynamo compiled
+        for calls of one row (it specialises sizes of 1, so a batch-1 decode step has its own
+        graph), and the compiles at `compile_sizes`. At one row a linear reads its
+        whole weight for few outputs, and on an H200 the reduction read a 1B decoder's weights at
+        60% of the copy bandwidth against cuBLAS's 41% (88% against 77% at 8B shapes with
+        `size_inductor_options={"coordinate_descent_tuning": True}`; `benchmarks/gemv_bench.py`).
+        At several rows it is slower, so only one-row linears change. Needs compiler="inductor".
+        See `cgcompile.passes.matvec_reduction`.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
@@ -722,6 +733,9 @@ def _check_across_parts(config: Config) -> None:
            'attention is compiled)', f"compiler={config.compile.compiler!r}",
            'set compiler="inductor" or full_graph_compile=True, or leave small_query_attention out',
            ConfigError, raw=True)
+    expect(not config.compile.matvec_as_reduction or config.compile.compiler == "inductor",
+           "matvec_as_reduction", 'compiler="inductor" (it rewrites what Inductor compiles)',
+           f"compiler={config.compile.compiler!r}", 'set compiler="inductor", or leave it off', ConfigError, raw=True)
     # Options that only patch a compile nothing makes would be dropped silently.
     expect(config.compile.compile_sizes or not config.compile.size_inductor_options, "size_inductor_options",
            "compile_sizes beside it (these options patch only the compiles at those sizes)",

@@ -4,7 +4,8 @@ and prove padding safe.
 No CUDA, no runtime state and no import of the library here: every pass takes a graph
 and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
-(`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`), which
+(`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`,
+`linear_as_reduction`), which
 run with the graph.
 Shipped as `cgcompile.passes`.
 """
@@ -19,6 +20,7 @@ from .padding_safety import PaddingHazard, find_padding_hazards, find_state_haza
 from .sibling_linears import FusedInput, fuse_sibling_linears
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
+from .matvec_reduction import linear_as_reduction, matvec_as_reduction
 from .mutation import written_inputs
 from .split_rule import SplitReason, classify_nodes, is_floating
 
@@ -42,7 +44,9 @@ __all__ = [
     "hoist_mask_conversion",
     "input_name",
     "is_floating",
+    "linear_as_reduction",
     "lower_small_query_attention",
+    "matvec_as_reduction",
     "plan_full_graph",
     "show_address",
     "split_graph",

@@ -49,7 +49,7 @@ from ..compat import (free_unbacked_symbols, inductor_compile, shape_env_of, siz
                      value_range_within)
 from ..ops import call_without_cudnn_attention
 from ..parallel.inductor_all_reduce import all_reduce_pass, compiling_with
-from ..passes import PieceSpec, example_value, free_symbols, lower_small_query_attention
+from ..passes import PieceSpec, example_value, free_symbols, lower_small_query_attention, matvec_as_reduction
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,10 @@ class PieceCompiler:
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
                  inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
-                 all_reduce: str = "nccl"):
+                 all_reduce: str = "nccl", matvec_as_reduction: bool = False):
         self.compiler = compiler
+        self.matvec_as_reduction = matvec_as_reduction
+        self.matvec_reductions = 0  # one-row linears compiled as reductions (Config.matvec_as_reduction)
         self.compile_sizes = frozenset(compile_sizes)
         self.inductor_options = dict(inductor_options or {})
         self.size_options = {**self.inductor_options, **(size_options or {})}
@@ -210,7 +212,7 @@ class PieceCompiler:
             log.info("cgcompile: %s keeps its general compile at every size: %s", spec.name, probe)
             return general
         # A compile at one size holds whatever the graph assumes about sizes.
-        key = piece_key(spec, "piece at size", self._keyed(self.size_options))
+        key = piece_key(spec, "piece at size", self._keyed(self._with_rewrites(self.size_options)))
         gm, name = spec.graph, spec.name
         return SizeSpecialised(general, probe, self.compile_sizes,
                                lambda size, args: self._at_size(key, gm, name, size, args))
@@ -219,8 +221,9 @@ class PieceCompiler:
         if self.compiler == "eager":
             return spec.graph
         values = [example_value(n) for n in spec.inputs]
-        key = piece_key(spec, "piece", self._keyed(self.inductor_options))
-        return self.cache.get(key, lambda: self._inductor(compile_keeping_guards, spec.graph, values,
+        key = piece_key(spec, "piece", self._keyed(self._with_rewrites(self.inductor_options)))
+        return self.cache.get(key, lambda: self._inductor(compile_keeping_guards,
+                                                          self._rewritten(spec.graph, spec.name, values), values,
                                                           self.inductor_options),
                               what=f"piece {spec.name}", assumed=lambda: _size_assumptions(values))
 
@@ -229,8 +232,24 @@ class PieceCompiler:
         if self.compiler == "eager":
             make = lambda: trace_at_size(gm, args)  # noqa: E731
         else:
-            make = lambda: self._inductor(inductor_compile, gm, list(args), self.size_options)  # noqa: E731
+            make = lambda: self._inductor(inductor_compile, self._rewritten(gm, f"{name} at size {size}", args),  # noqa: E731
+                                          list(args), self.size_options)
         return self.cache.get(dataclasses.replace(key, size=size), make, what=f"piece {name} at size {size}")
+
+    def _rewritten(self, gm: torch.fx.GraphModule, name: str, example_inputs: Sequence) -> torch.fx.GraphModule:
+        """What an Inductor compile of a piece compiles: `gm`, or with Config.matvec_as_reduction
+        a copy whose linears of one row (at static shapes) are reductions."""
+        if not self.matvec_as_reduction:
+            return gm
+        rewritten, count = matvec_as_reduction(gm, example_inputs)
+        self.matvec_reductions += count
+        if count:
+            log.info("cgcompile: piece %s: %d one-row linears compiled as reductions", name, count)
+        return rewritten
+
+    def _with_rewrites(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Compile-key options, with the graph rewrites that change what is compiled."""
+        return {**options, "matvec_as_reduction": True} if self.matvec_as_reduction else options
 
     def _inductor(self, compile_fn: Callable, *args) -> Callable:
         """compile_fn(*args) with the all-reduce post-grad pass in Inductor's config."""

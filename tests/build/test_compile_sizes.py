@@ -169,3 +169,43 @@ def test_ahead_of_time_capture_compiles_in_the_warm_up():
         torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-3, atol=2e-3)
     assert backend.stats.specialised_compilations == 6
 
+
+
+def _toy_bf16(device: str, **fields):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ToyLlama(2, hidden=64, vocab=128).to(device, torch.bfloat16).requires_grad_(False)
+    config = cgcompile.Config(compiler="inductor", splitting_ops=[SILLY_OP], capture_sizes=(1, 2, 4, 8), **fields)
+    backend = cgcompile.Backend(config)
+    return model, backend, torch.compile(model, backend=backend)
+
+
+def _linears(model) -> int:
+    return sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+
+def _check_matvec_as_reduction(device: str):
+    # Dynamo compiles a call of one row statically (it specialises sizes of 1): there every
+    # linear is a reduction; the graph with a dynamic row count (3, then 2) keeps cuBLAS.
+    model, backend, compiled = _toy_bf16(device, matvec_as_reduction=True)
+    linears = _linears(model)
+    for n, reductions in ((1, linears), (3, linears), (2, linears), (1, linears)):
+        ids = torch.randint(0, 128, (n,), device=device)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=2e-2, atol=2e-2)
+        assert backend.stats.matvec_reductions == reductions, n
+    assert backend.stats.graphs_seen == 2
+
+
+def test_matvec_as_reduction_rewrites_the_one_row_linears_of_static_graphs():
+    _check_matvec_as_reduction("cpu")
+
+
+@pytest.mark.cuda
+def test_matvec_as_reduction_under_cuda_graphs():
+    _check_matvec_as_reduction("cuda")
+
+
+def test_matvec_as_reduction_needs_inductor():
+    with pytest.raises(cgcompile.ConfigError, match='set compiler="inductor"'):
+        cgcompile.Config(compiler="eager", matvec_as_reduction=True)
