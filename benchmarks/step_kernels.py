@@ -3,8 +3,10 @@
 Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) of N steps and splits
 the GPU time into classes, each with the bytes it must move per step where that is known:
 
-    gemm        matrix products (cuBLAS, CUTLASS, Triton mm templates): every weight matrix
-                is read once per step, so their bytes are the matmul weights
+    gemm        matrix products (cuBLAS, CUTLASS, Triton mm templates, and Inductor reductions
+                that multiply and sum, `Config.matvec_as_reduction`'s one-row linears, with
+                whatever Inductor fused into them): every weight matrix is read once per step,
+                so their bytes are the matmul weights
     attention   kernels launched while the attention op ran on the host (found through
                 the launch's correlation id), or named as attention kernels (flash, fmha:
                 inside a full graph nothing runs on the host): the KV cache read per step
@@ -29,7 +31,9 @@ import re
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul", re.I)
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa", re.I)
+MATVEC = re.compile(r"^triton_(red|per)_fused\w*(mul\w*_sum|sum\w*_mul)")  # a product written as a reduction
 COPY = re.compile(r"copy|memcpy|memset|fill", re.I)
+DTYPE_CAST = "_to_copy"  # in Inductor's kernel names a dtype conversion, not a copy kernel
 COLLECTIVE = re.compile(r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter|one_shot|two_shot", re.I)
 GRAPH_LAUNCH = "cudaGraphLaunch"
 
@@ -89,7 +93,9 @@ def _class_of(kernel: dict, launch: dict | None, attention_ranges: list[tuple[fl
         return "attention"
     if COLLECTIVE.search(name):
         return "collective"
-    if kernel["cat"] != "kernel" or COPY.search(name) and not GEMM.search(name):
+    if MATVEC.search(name):
+        return "gemm"
+    if kernel["cat"] != "kernel" or COPY.search(name.replace(DTYPE_CAST, "")) and not GEMM.search(name):
         return "copy"
     return "gemm" if GEMM.search(name) else "elementwise"
 

@@ -77,3 +77,14 @@ def test_collective_kernels_are_their_own_class():
     b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
     assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {
         "collective": 0.027, "gemm": 0.025, "elementwise": 0.003}
+
+
+def test_products_written_as_reductions_are_matmuls_and_dtype_casts_are_not_copies():
+    trace = {"traceEvents": [
+        _launch("cudaGraphLaunch", 0, 1),
+        _kernel("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_sum_unsqueeze_3", 10, 20, 1),  # norm + matvec
+        _kernel("triton_red_fused__to_copy_add_mean_pow_2", 40, 4, 1),  # a norm alone
+        _kernel("triton_poi_fused_index_copy_0", 50, 2, 1),  # a cache write: a copy
+    ]}
+    b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
+    assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {"gemm": 0.02, "elementwise": 0.004, "copy": 0.002}
