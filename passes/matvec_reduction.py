@@ -78,15 +78,19 @@ def _tensor_metas(gm: GraphModule, example_inputs: Sequence) -> dict:
     """Every tensor value's (shape, dtype) at `example_inputs`, by node of `gm`: from the
     nodes' own fake values where the inputs are fake (a compile of Dynamo's graph), else
     from a run of a copy on fake tensors made from the real inputs (nothing is computed or
-    written). Values with a symbolic shape are left out: their row count is unknown."""
+    written). Values with a symbolic shape are left out (their row count is unknown), and
+    tensor subclasses such as DTensor shards (whose placements the reduction would have to
+    keep): their linears stay as they are."""
     from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if any(isinstance(a, FakeTensor) for a in example_inputs):
         values = {node: example_value(node) for node in gm.graph.nodes}
     else:
         values = _propagated(gm, example_inputs)
     return {node: (tuple(v.shape), v.dtype) for node, v in values.items()
-            if isinstance(v, torch.Tensor) and all(type(s) is int for s in v.shape)}
+            if isinstance(v, torch.Tensor) and not is_traceable_wrapper_subclass(v)
+            and all(type(s) is int for s in v.shape)}
 
 
 def _propagated(gm: GraphModule, example_inputs: Sequence) -> dict:

@@ -53,3 +53,21 @@ def test_linear_as_reduction_sums_every_feature_and_adds_the_bias():
     assert linear_as_reduction(x, w).item() == 64.0
     torch.testing.assert_close(linear_as_reduction(x, w, torch.ones(1, dtype=torch.bfloat16)),
                                torch.full((1, 1), 65.0, dtype=torch.bfloat16))
+
+
+def test_dtensor_linears_are_left_alone():
+    # A DTensor shard's placements would have to survive the rewrite: its linear keeps cuBLAS.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        x, w, b, w2 = _args(1, torch.bfloat16)
+        args = (distribute_tensor(x, mesh, [Replicate()]), distribute_tensor(w, mesh, [Shard(0)]),
+                distribute_tensor(b, mesh, [Shard(0)]), distribute_tensor(w2, mesh, [Shard(0)]))
+        _, count = matvec_as_reduction(torch.fx.symbolic_trace(TwoLinears()), args)
+        assert count == 0
+    finally:
+        dist.destroy_process_group()
