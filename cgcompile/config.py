@@ -379,8 +379,10 @@ class Compile(_Group):
         whole weight for few outputs, and on an H200 the reduction read a 1B decoder's weights at
         60% of the copy bandwidth against cuBLAS's 41% (88% against 77% at 8B shapes with
         `size_inductor_options={"coordinate_descent_tuning": True}`; `benchmarks/gemv_bench.py`).
-        At several rows it is slower, so only one-row linears change. Needs compiler="inductor".
-        See `cgcompile.passes.matvec_reduction`.""")
+        At several rows it is slower, so only one-row linears change. Applies to the pieces'
+        compiles, which the default full graph replays; a whole-graph compile
+        (`full_graph_compile`) keeps cuBLAS. Needs compiler="inductor". See
+        `cgcompile.passes.matvec_reduction`.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
