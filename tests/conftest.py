@@ -1,17 +1,24 @@
-"""Shared test set-up: GPU tests skip without CUDA; every test starts with fresh Dynamo caches;
+"""Shared test set-up: GPU tests skip without CUDA, slow ones without --run-slow; every test starts with fresh Dynamo caches;
 fixtures a module opts into with `pytestmark = pytest.mark.usefixtures(...)`."""
 
 import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
+    if not config.getoption("--run-slow"):
+        skips["slow"] = pytest.mark.skip(reason="a heavy case another CI test covers; pass --run-slow")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

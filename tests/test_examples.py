@@ -28,6 +28,9 @@ def test_example_runs(example):
     result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip(), f"{example.name} printed nothing"
+    for check, cpu_only in OUTPUT_CHECKS.get(example.name, ()):
+        if not (cpu_only and torch.cuda.is_available()):
+            check(result.stdout.splitlines())
 
 
 PARALLEL_EXAMPLES = [e for e in EXAMPLES if NEEDS_TORCHRUN in e.read_text().splitlines()]
@@ -53,16 +56,7 @@ def test_toy_llama_example_prints_the_split():
     assert lines[-1] == "2 layers: 5 pieces, 3 capturable; outputs match eager"
 
 
-def _run(name: str, *args: str) -> list[str]:
-    result = subprocess.run([sys.executable, str(EXAMPLES[0].parent / name), *args], capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return result.stdout.splitlines()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the CPU run says")
-def test_vision_encoder_on_cpu_claims_no_captures():
-    lines = _run("vision_encoder.py")
+def vision_encoder_on_cpu_claims_no_captures(lines: list[str]) -> None:
     assert lines[0] == "model vision: 6 of 6 sizes planned, 18 graphs (none captured yet), estimate unknown"
     assert lines[1].split()[-2:] == ["would", "capture"]
     assert not any("sizes captured" in line or "graphs captured" in line for line in lines)
@@ -70,17 +64,27 @@ def test_vision_encoder_on_cpu_claims_no_captures():
                               "nothing was captured")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the CPU run says")
-def test_hf_static_generate_on_cpu_names_full_graph_calls_without_graphs():
-    decode, tokens = _run("hf_static_generate.py", "--new-tokens", "4")
+def hf_static_generate_on_cpu_names_full_graph_calls_without_graphs(lines: list[str]) -> None:
+    decode, tokens = lines
     assert " full-graph calls (no CUDA graphs on cpu: the compiled forward ran as one piece)" in decode
     assert "from the full graph" not in decode and decode.endswith("CUDA graphs captured: 0")
     assert tokens.startswith("greedy tokens identical to eager")
 
 
-def test_plain_decode_loop_gives_generates_tokens():
+def plain_decode_loop_gives_generates_tokens(lines: list[str]) -> None:
     """examples/hf_decode_loop.py: a greedy loop over a StaticCache, compiled, with the next
     token and the cache position kept on the device, gives generate()'s tokens."""
-    pytest.importorskip("transformers")
-    lines = _run("hf_decode_loop.py", "--new-tokens", "8")
     assert lines[-1] == "tokens match generate(): True", lines
+
+
+# What an example's run with its default arguments prints, checked on the smoke test's own
+# run (one run each): (check, whether only a run without CUDA says it).
+OUTPUT_CHECKS = {
+    "vision_encoder.py": [(vision_encoder_on_cpu_claims_no_captures, True)],
+    "hf_static_generate.py": [(hf_static_generate_on_cpu_names_full_graph_calls_without_graphs, True)],
+    "hf_decode_loop.py": [(plain_decode_loop_gives_generates_tokens, False)],
+}
+
+
+def test_output_checks_name_examples():
+    assert set(OUTPUT_CHECKS) <= {e.name for e in EXAMPLES}

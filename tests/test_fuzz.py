@@ -155,7 +155,17 @@ FIXED_BUGS = (
     ),
 )
 
-CPU_SEEDS = range(240)
+def _past_bug_shapes(seeds) -> list[int]:
+    """The seeds whose programs combine the productions of a fixed bug (`FIXED_BUGS`): the
+    shapes the padded path once failed on."""
+    return [s for s in seeds if any(bug.explains(fuzz.generate(s)) for bug in FIXED_BUGS)]
+
+
+# Of range(240) (the CPU's seeds until the CI time was trimmed): the first 20, which draw every
+# production, and each later seed of a past bug's shape. The GPU's 1000 seeds and
+# gpu_verify.sh's fuzz jobs draw the rest of the grammar; test_the_cpu_seeds_draw_every_production checks it.
+CPU_SEEDS = sorted(set(range(20)) | set(_past_bug_shapes(range(240))))
+FULL_GRAPH_SEEDS = range(0, 120, 2)  # every production, mode, layout and return; the GPU runs range(0, 1000, 4)
 CPU_INDUCTOR_SEEDS = [s for s in range(100) if fuzz.generate(s).mode != "any"][:5]  # mostly padded
 GPU_SEEDS = range(1000)
 GPU_INDUCTOR_SEEDS = range(0, 1000, 20)
@@ -238,6 +248,17 @@ def test_a_lost_write_into_an_input_or_a_wrong_return_shows_as_a_mismatch():
         with torch.no_grad():
             outcome = fuzz._run_size(namespace["make_inputs"], namespace["Model"](), stub, 5, "cpu", names, 0, written)
         assert outcome.status == "mismatch" and detail in outcome.detail, outcome
+
+
+@pytest.mark.parametrize("seeds", [CPU_SEEDS, FULL_GRAPH_SEEDS], ids=["padded", "full_graph"])
+def test_the_cpu_seeds_draw_every_production(seeds):
+    # The CPU runs a subset of the seeds: it must still reach the whole grammar.
+    programs = [fuzz.generate(seed) for seed in seeds]
+    assert {p for program in programs for p in program.productions} == {
+        p.name for p in fuzz.PRODUCTIONS if p.family != "state"}
+    assert {p.mode for p in programs} == set(MODES)
+    assert {p.layout for p in programs} == set(LAYOUTS)
+    assert {p.returns for p in programs} == set(RETURNS)
 
 
 def test_sizes_cover_capture_sizes_between_and_above():
@@ -332,7 +353,7 @@ def test_padded_on_cpu_inductor_pieces_agree_with_eager():
 def test_full_graphs_on_cpu_agree_with_eager():
     """Every split op declared capturable: calls of a capture size whose host-side inputs
     repeat take the full path, the others run piecewise, padded or not."""
-    _assert_only_known_bugs(range(120), fuzz.Setup("eager", "cpu", padding=True, full_graph="pieces"))
+    _assert_only_known_bugs(FULL_GRAPH_SEEDS, fuzz.Setup("eager", "cpu", padding=True, full_graph="pieces"))
 
 
 FUSED_SEEDS = [s for s in range(400) if "sibling_linears" in fuzz.generate(s).productions][:24]

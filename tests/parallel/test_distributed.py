@@ -68,12 +68,14 @@ def test_distributed_bench_tensor_parallel_stages_on_four_gloo_ranks():
 
 def test_hf_tp_bench_tokens_equal_eager_on_two_gloo_ranks(tmp_path):
     """The tp_plan benchmark's smoke test: transformers' own tensor parallel (DTensor) on gloo,
-    compiled with cgcompile; every variant reports and the greedy tokens equal eager's."""
+    compiled with cgcompile; every variant reports and the greedy tokens equal eager's. One
+    Config.all_reduce (the default's second, nccl, is what auto falls back to over gloo:
+    test_all_reduce.py's gloo test checks that choice)."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' tp_plan needs it
     out = torchrun(ROOT / "benchmarks" / "hf_tp_bench.py", "--device", "cpu", "--shape", "tiny", "--check",
-                   "--compiler", "eager", "--tokens", "6", "--repeats", "1", "--save-dir", str(tmp_path / "model"),
-                   timeout=300)
+                   "--compiler", "eager", "--tokens", "6", "--repeats", "1", "--all-reduce", "auto",
+                   "--save-dir", str(tmp_path / "model"), timeout=300)
     variants = {json.loads(line)["variant"] for line in out.splitlines() if line.startswith("{")}
     assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "tp1-eager"}, out
     assert "tokens match: True" in out.splitlines(), out
