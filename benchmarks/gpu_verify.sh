@@ -89,6 +89,10 @@ job zoo_fused_b "${ZOO[@]}" --json "$LOGS/zoo_fused_b.json" --fuse-sibling-linea
   --models gptj,opt,mixtral,qwen2_moe,qwen3_moe
 job zoo_fused_c "${ZOO[@]}" --json "$LOGS/zoo_fused_c.json" --fuse-sibling-linears \
   --models olmoe,granitemoe,phimoe,deepseek_v3,encoder,vision
+# One-row linears as Inductor reductions (Config.matvec_as_reduction): bf16 decoders, Inductor pieces.
+ZOO_MATVEC=("${ZOO[@]}" --dtype bfloat16 --compiler inductor --matvec-as-reduction)
+job zoo_matvec_a "${ZOO_MATVEC[@]}" --json "$LOGS/zoo_matvec_a.json" --models llama,mistral,qwen2,qwen3,gemma2,phi3,olmo2
+job zoo_matvec_b "${ZOO_MATVEC[@]}" --json "$LOGS/zoo_matvec_b.json" --models gpt2,opt,falcon,mixtral,qwen3_moe
 # The zoo of models that are not transformers (benchmarks/model_zoo_beyond.py): 1, 3, 8, 1 items
 # on one compiled model. The ResNet-50 detectors compile slowly (about 100 s for the four
 # sizes), so two detectors a job. The GNNs also run plain torch.compile (--reference inductor):

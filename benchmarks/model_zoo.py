@@ -299,6 +299,7 @@ class Options:
     speed: bool = False
     rounds: int = 5
     fuse_sibling_linears: bool = False  # cgcompile.Config.fuse_sibling_linears
+    matvec_as_reduction: bool = False  # cgcompile.Config.matvec_as_reduction (bf16/fp16, Inductor)
     padding: bool | None = None  # cgcompile.Config.padding (True: pads on CPU too)
 
     @property
@@ -509,6 +510,7 @@ class Compiled:
 def compile_model(arch: Arch, model: torch.nn.Module, options: Options) -> Compiled:
     backend = cgcompile.Backend(cgcompile.Config(compiler=options.compiler, capture_sizes=CAPTURE_SIZES,
                                                  fuse_sibling_linears=options.fuse_sibling_linears,
+                                                 matvec_as_reduction=options.matvec_as_reduction,
                                                  padding=options.padding))
     targets = compile_targets(arch, model)
     return Compiled(backend, targets, [torch.compile(m.forward, backend=backend) for m in targets])
@@ -708,6 +710,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--fuse-sibling-linears", action="store_true",
                         help="compile with Config(fuse_sibling_linears=True)")
+    parser.add_argument("--matvec-as-reduction", action="store_true",
+                        help="compile with Config(matvec_as_reduction=True): one-row linears as Inductor reductions "
+                             "(bf16/fp16 and compiler inductor)")
     parser.add_argument("--padding", action="store_true", help="compile with Config(padding=True): pads on CPU too")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--list", action="store_true", help="print the architectures and exit")
@@ -736,6 +741,7 @@ def options_from(args: argparse.Namespace) -> Options:
                    compiler=args.compiler or ("inductor" if args.device == "cuda" else "eager"),
                    new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds,
                    fuse_sibling_linears=args.fuse_sibling_linears, fresh_per_size=args.fresh_per_size,
+                   matvec_as_reduction=args.matvec_as_reduction,
                    padding=True if args.padding else None)
 
 
