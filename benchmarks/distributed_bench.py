@@ -87,6 +87,7 @@ CONFIGS = {**MODEL_CONFIGS, "8b": ModelConfig(hidden=4096, layers=32, heads=32, 
 SHARD_ONLY = {"70b"}  # no rank can hold the whole model: TP variants only, each rank its shard
 FILL = 256
 ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce)
+MATVEC = False  # Config.matvec_as_reduction of every compiled variant on CUDA (--matvec-as-reduction)
 
 
 def parse_args():
@@ -98,6 +99,9 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"], help="Config.all_reduce")
+    p.add_argument("--matvec-as-reduction", action="store_true",
+                   help="on CUDA, every compiled variant with Config(matvec_as_reduction=True) and Inductor's "
+                        "coordinate-descent tuning: one-row linears as reductions (docs/performance.md)")
     p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
                    help="TP variants: cgcompile, eager, full (both full-graph ones), full-sq (the small-query one), "
@@ -121,10 +125,12 @@ def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8
     small_query: that graph's attention compiled as batched matmuls (Config.small_query_attention)."""
     cuda = device.type == "cuda"
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
+    matvec = {"matvec_as_reduction": True, "inductor_options": {"coordinate_descent_tuning": True}} \
+        if MATVEC and cuda else {}
     return cgcompile.Backend(cgcompile.Config(
         capture_sizes=tuple(sorted(set(sizes))), compiler="inductor" if cuda else "eager",
         capture_error_mode="thread_local",
-        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE, **split))
+        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE, **split, **matvec))
 
 
 def full_variants(device, variants) -> tuple[tuple[str, bool], ...]:
@@ -381,8 +387,8 @@ def whole_model_parts(cfg, device, dtype, args, report, floor):
 
 def main():
     args = parse_args()
-    global ALL_REDUCE
-    ALL_REDUCE = args.all_reduce
+    global ALL_REDUCE, MATVEC
+    ALL_REDUCE, MATVEC = args.all_reduce, args.matvec_as_reduction
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []
     with torchrun_worker(args.device) as device:

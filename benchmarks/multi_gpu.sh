@@ -12,6 +12,8 @@
 #   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
 #                  checkpoint takes minutes to save and load), bf16: TP=2 with
 #                  Config.all_reduce auto and nccl against the same model on one GPU
+#   tp_8b_n2_matvec  the TP=2 step and TP=1 with Config.matvec_as_reduction (one-row linears as
+#                  Inductor reductions; plain-tensor shards)
 #   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
@@ -68,6 +70,8 @@ step all_reduce && run all_reduce 90 "${TORCHRUN[@]}" --nproc-per-node "$N" benc
     --json "$OUT/all_reduce.json"
 step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
     --json "$OUT/tp_8b_n2_auto.json"
+step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
+    --matvec-as-reduction --json "$OUT/tp_8b_n2_matvec.json"
 if ((N >= 4)); then
   step tp_8b_n4_auto && run tp_8b_n4_auto 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --json "$OUT/tp_8b_n4_auto.json"
