@@ -25,7 +25,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from harness import environment, guarded, log, measure_peak_bandwidth, synchronize, write_json
+from harness import environment, guarded, log, measure_peak_bandwidth, synchronize, time_steps, write_json
 
 # (out_features, in_features) of one decoder layer's linears
 LAYER_SHAPES = {
@@ -72,15 +72,7 @@ def time_variant(variant: str, shapes, layers: int, rows: int, dtype, device, re
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(xs, ws)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    ms = statistics.median(times)
+    ms = statistics.median(time_steps(lambda k: graph.replay(), replays, 1, device))
     return {"variant": variant, "rows": rows, "weight_mb": nbytes / 2**20, "ms": ms,
             "gbs": nbytes / ms / 1e6, "max_rel_error": error}
 

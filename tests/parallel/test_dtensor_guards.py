@@ -71,30 +71,30 @@ def test_equal_specs_in_new_objects_run_on(mesh, filtered):
     assert backend.runtimes[0].specs is not None and backend.runtimes[0].specs.names == ("l_self_parameters_w_",)
 
 
-def test_a_resharded_parameter_raises_where_dynamo_no_longer_checks(mesh):
+def _resharded_after_a_call(mesh, filtered: bool):
+    """(model, forward, backend, x): a call compiled, then the parameter replaced by a replicated one."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     torch.manual_seed(0)
     model = Sharded(mesh)
-    forward, _ = compiled(model, filtered=True)
+    forward, backend = compiled(model, filtered)
     x = torch.randn(3, 8)
     with torch.no_grad():
         forward(x)
-        model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]), requires_grad=False)
+    model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]), requires_grad=False)
+    return model, forward, backend, x
+
+
+def test_a_resharded_parameter_raises_where_dynamo_no_longer_checks(mesh):
+    _, forward, _, x = _resharded_after_a_call(mesh, filtered=True)
+    with torch.no_grad():
         with pytest.raises(cgcompile.CGCompileError, match=r"l_self_parameters_w_.*expected the spec its graph was "
                                                              r"compiled for .*compile without that filter"):
             forward(x)
 
 
 def test_with_dynamos_guards_a_resharded_parameter_compiles_again(mesh):
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    torch.manual_seed(0)
-    model = Sharded(mesh)
-    forward, backend = compiled(model, filtered=False)
-    x = torch.randn(3, 8)
+    model, forward, backend, x = _resharded_after_a_call(mesh, filtered=False)
     with torch.no_grad():
-        forward(x)
-        model.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]), requires_grad=False)
         torch.testing.assert_close(forward(x), model(x))
     assert backend.stats.graphs_seen == 2
