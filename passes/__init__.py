@@ -16,6 +16,7 @@ from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import (address, example_value, free_symbols, show_address, tensors_in, values_sharing_memory,
                            wrapped_tensors)
 from .grouped_query import fold_grouped_query_attention
+from .host_constants import hoist_host_constants
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
 from .small_query import lower_small_query_attention
@@ -41,6 +42,7 @@ __all__ = [
     "fold_grouped_query_attention",
     "free_symbols",
     "fuse_sibling_linears",
+    "hoist_host_constants",
     "hoist_mask_conversion",
     "input_name",
     "is_floating",

@@ -123,3 +123,41 @@ def test_fasterrcnn_matches_eager(compiler, caplog, exact_fp32_matmuls):
             _same_detections(got, want, exact_order=compiler == "eager")
             assert sum(len(d["boxes"]) for d in want) > 0  # not a comparison of nothing
     assert DEFENCE not in caplog.text
+
+
+class LiteralHostData(nn.Module):
+    """A rolling buffer written through a literal index tensor built at every call (as
+    transformers' sliding-window cache does) and rows picked with a Python list (as Falcon
+    does): host data copied to the GPU at every call, unless made once."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("window", torch.zeros(4, 16))
+
+    def forward(self, x):  # x: [n, 16]
+        index = torch.tensor([-1], dtype=torch.long, device=x.device)
+        rolled = self.window.roll(-1, dims=0)
+        rolled[index] = x.mean(0, keepdim=True)
+        self.window.copy_(rolled)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            self.proj(x)[None, None], self.window[None, None], self.window[None, None])[0, 0]
+        return self.proj(y)[..., [0, 2]]
+
+
+@pytest.mark.cuda
+def test_literal_host_data_is_made_once_and_the_full_graph_replays(caplog):
+    torch.manual_seed(0)
+    model = LiteralHostData().cuda().requires_grad_(False)
+    eager_model = LiteralHostData().cuda().requires_grad_(False)
+    eager_model.load_state_dict(model.state_dict())
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", capturable_split_ops=("attention",)))
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level(logging.INFO, logger="cgcompile"):
+        for n in (2, 2, 2, 2):
+            x = torch.randn(n, 16, device="cuda")
+            torch.testing.assert_close(compiled(x), eager_model(x))
+    torch.testing.assert_close(model.window, eager_model.window)
+    assert "tensors of literal host data made once" in caplog.text
+    assert "capturing the full graph failed" not in caplog.text
+    assert backend.stats.full_graph_calls >= 1, backend.stats

@@ -38,6 +38,7 @@ from ..passes import (
     find_state_hazards,
     fold_grouped_query_attention,
     fuse_sibling_linears,
+    hoist_host_constants,
     hoist_mask_conversion,
     input_name,
     plan_full_graph,
@@ -220,10 +221,22 @@ def _warn_uncaptured_for_autograd() -> None:
                 NEEDS_GRADIENTS)
 
 
+def _build_real(fn, args, kwargs) -> torch.Tensor:
+    """A constant for `hoist_host_constants`: a real tensor, even under a fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return fn(*args, **kwargs)
+
+
 def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Config,
                  uncapturable: UncapturableOps) -> SplitGraph:
     # Rewrites before classifying: their new nodes are classified like any other.
     hoist_mask_conversion(gm)
+    if analysis.device.type == "cuda":  # literal host data: copied to the device once, not per call
+        made = hoist_host_constants(gm, _build_real)
+        if made:
+            log.info("cgcompile: %d tensors of literal host data made once, as constants of the graph", made)
     if analysis.device.type == "cuda":  # each all-reduce gets its group's path (docs/parallel.md)
         route_graph_all_reduces(gm, analysis.device, configured=config.rewrites.all_reduce)
     if config.rewrites.fold_grouped_query:
