@@ -72,6 +72,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
@@ -398,7 +399,9 @@ def main():
             peak_gbs = harness.measure_peak_bandwidth(device)
             if dist.get_rank() == 0:
                 print(json.dumps({"device_copy_gbs": round(peak_gbs, 1), "gpus": dist.get_world_size(),
-                                  "device_name": torch.cuda.get_device_name(device)}), flush=True)
+                                  "device_name": torch.cuda.get_device_name(device),
+                                  "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None)}),
+                      flush=True)
         floor = functools.partial(floor_of, peak_gbs)
         for model_name in args.models.split(","):
             cfg = CONFIGS[model_name]

@@ -12,8 +12,10 @@
 #   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
 #                  checkpoint takes minutes to save and load), bf16: TP=2 with
 #                  Config.all_reduce auto and nccl against the same model on one GPU
-#   tp_8b_n2_matvec  the TP=2 step and TP=1 with Config.matvec_as_reduction (one-row linears as
-#                  Inductor reductions; plain-tensor shards)
+#   tp_8b_n2_matvec  the TP=2 full graph and TP=1 at batch 1 with Config.matvec_as_reduction
+#                  (one-row linears as Inductor reductions; plain-tensor shards)
+#   tp_8b_n4_matvec, tp_70b_n4_matvec  (N=4) the same at TP=4, and the 70B class's full graph
+#   tp_8b_n4_pdl   (N=4) tp_8b_n4_matvec with TORCHINDUCTOR_ENABLE_PDL=1
 #   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
@@ -45,6 +47,10 @@ TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq,tp1
       --steps 20 --warmup 3)
 PP8B=(benchmarks/distributed_bench.py --models 8b --pp-batches 16,32,64,128 --steps 20 --warmup 3)
+# One-row linears as Inductor reductions: batch 1 only (batch 8 keeps cuBLAS), the full graph
+# at TP=N beside TP=1's piecewise and full graph.
+TP8B_MATVEC=(benchmarks/distributed_bench.py --models 8b --batches 1 --parts tp --tp-variants full-sq,tp1
+             --steps 20 --warmup 3 --all-reduce auto --matvec-as-reduction)
 HF=(benchmarks/hf_tp_bench.py --shape 8b --layers 8 --tokens 32 --repeats 3 --spec-guards both)
 
 run() {  # run NAME LIMIT COMMAND...: under min(LIMIT, budget left) seconds, output to $OUT/NAME.log
@@ -70,14 +76,23 @@ step all_reduce && run all_reduce 90 "${TORCHRUN[@]}" --nproc-per-node "$N" benc
     --json "$OUT/all_reduce.json"
 step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
     --json "$OUT/tp_8b_n2_auto.json"
-step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
-    --matvec-as-reduction --json "$OUT/tp_8b_n2_matvec.json"
+step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_MATVEC[@]}" \
+    --json "$OUT/tp_8b_n2_matvec.json"
 if ((N >= 4)); then
   step tp_8b_n4_auto && run tp_8b_n4_auto 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --json "$OUT/tp_8b_n4_auto.json"
   step tp_70b_n4 && run tp_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
       --models 70b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq --steps 20 --warmup 3 \
       --json "$OUT/tp_70b_n4.json"
+  step tp_8b_n4_matvec && run tp_8b_n4_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_MATVEC[@]}" \
+      --json "$OUT/tp_8b_n4_matvec.json"
+  step tp_70b_n4_matvec && run tp_70b_n4_matvec 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
+      --models 70b --batches 1 --parts tp --tp-variants full-sq --steps 20 --warmup 3 --matvec-as-reduction \
+      --json "$OUT/tp_70b_n4_matvec.json"
+  # Programmatic dependent launch between Inductor's kernels (Hopper): a kernel's launch and
+  # prologue overlap the previous kernel's tail; cuBLAS and collective kernels take no part.
+  step tp_8b_n4_pdl && run tp_8b_n4_pdl 200 env TORCHINDUCTOR_ENABLE_PDL=1 "${TORCHRUN[@]}" --nproc-per-node 4 \
+      "${TP8B_MATVEC[@]}" --json "$OUT/tp_8b_n4_pdl.json"
 fi
 step pp_8b_n2 && run pp_8b_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${PP8B[@]}" --parts pp --json "$OUT/pp_8b_n2.json"
 if ((N >= 4)); then
