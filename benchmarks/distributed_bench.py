@@ -204,7 +204,7 @@ def sharded_variants(model, device, args, report, floor):
     del compiled
     torch._dynamo.reset()
     for suffix, small_query in full_variants(device, variants):
-        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query)
+        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query, floor)
 
 
 def weight_bytes(model) -> int:
@@ -244,13 +244,14 @@ def build_shard(cfg, device, dtype):
     return model
 
 
-def run_full(name, model, device, args, report, small_query):
-    """Time a full-graph variant at every batch (one static Dynamo graph per batch)."""
+def run_full(name, model, device, args, report, small_query, floor=lambda step_s: {}):
+    """Time a full-graph variant at every batch (one static Dynamo graph per batch); floor:
+    the step's weight-bytes floor fields, as `floor_of` makes them (none for TP=1)."""
     backend = make_backend(device, full=True, small_query=small_query)
     full = torch.compile(model, backend=backend, dynamic=False)
     for batch in map(int, args.batches.split(",")):
-        report(name, batch, step_s=step_seconds(full, device, batch, args, device_position=True),
-               full_graph_calls=full_graph_share(backend))
+        step_s = step_seconds(full, device, batch, args, device_position=True)
+        report(name, batch, step_s=step_s, full_graph_calls=full_graph_share(backend), **floor(step_s))
     del full, backend
     torch._dynamo.reset()
 
