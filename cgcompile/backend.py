@@ -124,21 +124,23 @@ class Backend:
         analysis = phases.analyse(gm, fusion.example_inputs, self.config)
         analysis = phases.without_graphs_for_autograd(index, analysis, fusion.example_inputs)
         self._count_uncaptured(analysis)
+        scalars = phases.scalars_from_device(index, gm, fusion.example_inputs, analysis, self.config)
+        gm, analysis = scalars.gm, scalars.analysis
         split = phases.split_pieces(gm, analysis, self.config, self._uncapturable)
         sizing = phases.choose_sizing(split, analysis, self.config)
         build = phases.GraphBuild(index, analysis, sizing, self._compiler, self.config)
         runners = phases.build_runners(build, split, self.session)
         self._records.add(index, runners.pieces)
-        full = phases.full_graph(build, gm, split, runners, self.session, self._eager_compiles)
+        full = phases.full_graph(build, gm, split, runners, self.session, self._eager_compiles, scalars)
         self._count_choice(full)
         clone = phases.outputs_to_clone(gm, split, runners, self.config)
-        watch = phases.address_watch(build, gm, split, fusion)
+        watch = phases.address_watch(build, gm, split, fusion, scalars)
         recovery = phases.piece_recovery(build, split, self._records, self._uncapturable)
         runtime = GraphRuntime(
             split.stitch, list(runners.runners), clone, self.config.split.cudnn_attention,
             phases.call_sizing(build, self.session),
-            full=full.graph, fused=fusion.weights, addresses=watch, session=self.session, recovery=recovery,
-            graph_name=f"graph{index}", specs=phases.dtensor_specs(build, gm, example_inputs),
+            full=full.graph, fused=fusion.weights, scalars=scalars.buffer, addresses=watch, session=self.session,
+            recovery=recovery, graph_name=f"graph{index}", specs=phases.dtensor_specs(build, gm, example_inputs),
         )
         self.runtimes.append(runtime)
         self._dump(index, gm, split, analysis, full.summary)

@@ -12,6 +12,7 @@ Shipped as `cgcompile.passes`.
 
 from .attention_mask import hoist_mask_conversion
 from .full_graph_plan import FullGraphPlan, plan_full_graph
+from .device_scalars import DeviceScalars, host_output_code, read_scalars_from_device
 from .capture_dim import CaptureDim, find_capture_dim, input_name
 from .graph_values import (address, example_value, free_symbols, show_address, tensors_in, values_sharing_memory,
                            wrapped_tensors)
@@ -27,6 +28,7 @@ from .split_rule import SplitReason, classify_nodes, is_floating
 
 __all__ = [
     "CaptureDim",
+    "DeviceScalars",
     "FullGraphPlan",
     "FusedInput",
     "PaddingHazard",
@@ -44,12 +46,14 @@ __all__ = [
     "fuse_sibling_linears",
     "hoist_host_constants",
     "hoist_mask_conversion",
+    "host_output_code",
     "input_name",
     "is_floating",
     "linear_as_reduction",
     "lower_small_query_attention",
     "matvec_as_reduction",
     "plan_full_graph",
+    "read_scalars_from_device",
     "show_address",
     "split_graph",
     "tensors_in",

@@ -10,7 +10,9 @@ every such dependency of the eager pieces to the graph's inputs:
     the address (and symbolic strides) must be the captured ones. So must parameters and
     buffers an eager piece reads (read in place; checking them costs little);
   - every symbol besides the capture dimension (a host int such as a cache length,
-    a size): the graph holds the value it was captured with, so the value must match;
+    a size): the graph holds the value it was captured with, so the value must match.
+    Except symbols the graph reads from a device buffer (`device_scalars`): the runtime
+    writes the call's value there before every call, so they are no part of the key;
   - every other tensor input is copied into the graph's own buffer before a replay, as
     piecewise graphs copy theirs: an op that only reads it, split op or not, reads the
     same values from the copy (a position tensor made anew every step stays on the full
@@ -56,6 +58,8 @@ class FullGraphPlan:
         input itself (dim None) or the size of a tensor input's dim.
     copied: tensor inputs copied into the full graph's own buffers before a replay.
     names: every graph input's name, for the log.
+    device_scalars: SymInt inputs the graph reads from a device buffer that the runtime
+        writes before every call (`passes.device_scalars`): not checked.
     """
 
     by_address: tuple[int, ...]
@@ -63,6 +67,7 @@ class FullGraphPlan:
     host_values: tuple[tuple[int, int | None], ...]
     copied: tuple[int, ...]
     names: tuple[str, ...]
+    device_scalars: tuple[int, ...] = ()
 
     def key(self, args: Sequence) -> tuple:
         """What this call hands the graph host-side; equal keys replay the same graph."""
@@ -90,8 +95,10 @@ class FullGraphPlan:
 
 def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset[str],
                     capture_symbol: sympy.Symbol | None,
-                    capturable: Callable[[Any], bool]) -> FullGraphPlan | str:
-    """The plan, or a sentence saying why no full graph may replace the pieces."""
+                    capturable: Callable[[Any], bool],
+                    device_scalars: tuple[int, ...] = ()) -> FullGraphPlan | str:
+    """The plan, or a sentence saying why no full graph may replace the pieces.
+    device_scalars: positions of the SymInt inputs the graph reads from a device buffer."""
     why = _uncapturable_reason(gm, split, capturable)
     if why:
         return why
@@ -103,7 +110,8 @@ def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset
         if _is_tensor(n) and (i in written or (n.name in static_inputs and n in reached)
                               or (n.name not in static_inputs and _overlaps(n)))
     )
-    host_values = _host_value_sources(placeholders, capture_symbol)
+    from_device = {example_value(placeholders[i]).node.expr for i in device_scalars}
+    host_values = _host_value_sources(placeholders, {capture_symbol, *from_device})
     if isinstance(host_values, str):
         return host_values
     copied = tuple(
@@ -111,7 +119,8 @@ def plan_full_graph(gm: GraphModule, split: SplitGraph, static_inputs: frozenset
         if _is_tensor(n) and i not in by_address and n.name not in static_inputs
     )
     strides = tuple(i for i in by_address if not all(type(s) is int for s in example_value(placeholders[i]).stride()))
-    return FullGraphPlan(by_address, strides, host_values, copied, tuple(n.name for n in placeholders))
+    return FullGraphPlan(by_address, strides, host_values, copied, tuple(n.name for n in placeholders),
+                         tuple(device_scalars))
 
 
 def _uncapturable_reason(gm: GraphModule, split: SplitGraph, capturable) -> str | None:
@@ -160,13 +169,14 @@ def _used_by_an_op(node: Node) -> bool:
     return False
 
 
-def _host_value_sources(placeholders: list[Node], capture_symbol) -> tuple | str:
-    """Where each symbol other than the capture dimension can be read from a call's inputs."""
+def _host_value_sources(placeholders: list[Node], unchecked: set) -> tuple | str:
+    """Where each symbol can be read from a call's inputs, but those `unchecked` (the
+    capture dimension, symbols read from a device buffer)."""
     sources: dict[sympy.Symbol, tuple[int, int | None]] = {}
     needed: set[sympy.Symbol] = set()
     for i, node in enumerate(placeholders):
         value = example_value(node)
-        needed |= {s for s in free_symbols(value) if s != capture_symbol} if value is not None else set()
+        needed |= free_symbols(value) - unchecked if value is not None else set()
         if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
             sources.setdefault(value.node.expr, (i, None))
         elif isinstance(value, torch.Tensor):

@@ -46,6 +46,14 @@ MAY_ALIAS_FUNCTIONS = VIEW_FUNCTIONS | frozenset(
 )
 
 
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule over a copy of `gm`'s graph (metadata kept), for passes that add
+    inputs: Dynamo reads the placeholders of the graph it handed over after the backend returns."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
 def example_value(node: Node) -> Any:
     """The fake value Dynamo (`example_value`) or AOT (`val`) recorded for the node."""
     if "example_value" in node.meta:

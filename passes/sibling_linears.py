@@ -32,7 +32,7 @@ from typing import Callable, Mapping
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value
+from .graph_values import copy_graph_module, example_value
 
 LINEAR_FUNCTIONS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
 
@@ -70,20 +70,13 @@ def fuse_sibling_linears(gm: GraphModule, tensors: Mapping[str, torch.Tensor],
     """
     if not _sibling_groups(gm, tensors):
         return gm, []
-    fused_gm = _copy(gm)
+    fused_gm = copy_graph_module(gm)
     added: list[FusedInput] = []
     for group in _sibling_groups(fused_gm, tensors):
         added.extend(_fuse(fused_gm, group, tensors, len(added), concat or _concat))
     fused_gm.graph.lint()
     fused_gm.recompile()
     return fused_gm, added
-
-
-def _copy(gm: GraphModule) -> GraphModule:
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    return GraphModule(gm, graph)
 
 
 def _sibling_groups(gm: GraphModule, tensors: Mapping[str, torch.Tensor]) -> list[list[_Linear]]:

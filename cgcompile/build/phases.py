@@ -23,6 +23,7 @@ from ..compat import is_static_address
 from .compiler import EagerPieceCompiles, FullGraphCode, PieceCompiler, describe_input
 from ..config import AUTO, Config, FullGraphOptions
 from ..errors import ConfigError
+from ..run.device_scalars import DeviceScalarBuffer
 from ..run.full_graph import FullGraph, plain_function
 from ..run.graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
 from ..parallel.dtensor_guards import ParameterSpecs, parameter_specs
@@ -42,6 +43,7 @@ from ..passes import (
     hoist_mask_conversion,
     input_name,
     plan_full_graph,
+    read_scalars_from_device,
     split_graph,
     values_sharing_memory,
 )
@@ -82,6 +84,19 @@ class GraphAnalysis:
     @property
     def symbol(self):
         return self.capture_dim.symbol if self.capture_dim else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarInputs:
+    """Host ints the graph reads from a device buffer (`passes.device_scalars`): the
+    rewritten graph, the analysis with the buffer among the static inputs, the example
+    inputs with it appended, and the buffer (None: nothing read so, all unchanged)."""
+
+    gm: torch.fx.GraphModule
+    analysis: GraphAnalysis
+    example_inputs: list
+    buffer: DeviceScalarBuffer | None = None
+    inputs: tuple[int, ...] = ()  # the SymInt inputs read from the buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +236,38 @@ def _warn_uncaptured_for_autograd() -> None:
                 NEEDS_GRADIENTS)
 
 
+def scalars_from_device(index: int, gm: torch.fx.GraphModule, example_inputs: list, analysis: GraphAnalysis,
+                        config: Config) -> ScalarInputs:
+    """Host ints used only as values of tensor ops, read from a device buffer that the
+    runtime writes before every call, where graphs are captured or a full graph may be
+    planned: there a captured graph would replay the value of its capture (and a full
+    graph's key would hold it). Elsewhere every op reads the call's int anyway."""
+    if not (analysis.cudagraphs or config.full_graph_for(False) is not None):
+        return ScalarInputs(gm, analysis, example_inputs)
+    gm, found = read_scalars_from_device(gm)
+    for name, why in found.kept:
+        log.debug("cgcompile: graph %d keeps %s a host value (a full graph checks it per call): %s", index, name, why)
+    if not found.inputs:
+        return ScalarInputs(gm, analysis, example_inputs)
+    values = _static_buffer(len(found.inputs), found.device)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    log.info("cgcompile: graph %d reads %d host ints from a device buffer written before every call: %s", index,
+             len(found.inputs), [names[i] for i in found.inputs])
+    analysis = dataclasses.replace(analysis, static_inputs=analysis.static_inputs | {names[-1]})  # the buffer, last
+    return ScalarInputs(gm, analysis, [*example_inputs, values], DeviceScalarBuffer(found, gm, values), found.inputs)
+
+
+def _static_buffer(k: int, device: torch.device) -> torch.Tensor:
+    """A real [k] int64 tensor (even under a fake mode), a normal one even under
+    inference mode (the runtime writes it in calls outside it), at a static address."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.inference_mode(False):
+        values = torch.zeros(k, dtype=torch.int64, device=device)
+    torch._dynamo.mark_static_address(values, guard=False)
+    return values
+
+
 def _build_real(fn, args, kwargs) -> torch.Tensor:
     """A constant for `hoist_host_constants`: a real tensor, even under a fake mode."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -338,7 +385,8 @@ _AUTOMATIC_NOTE = ' (chosen automatically: full_graph="auto", the default with C
 
 
 def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
-               session: CaptureSession, eager_compiles: EagerPieceCompiles) -> FullGraphChoice:
+               session: CaptureSession, eager_compiles: EagerPieceCompiles,
+               scalars: ScalarInputs | None = None) -> FullGraphChoice:
     """A full path where the graph's full-graph options (`Config.full_graph_for`) allow one.
 
     The automatic default leaves out graphs with no eager piece: their piecewise run is
@@ -350,11 +398,12 @@ def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, r
         return FullGraphChoice(None, None, off)
     note = _AUTOMATIC_NOTE if automatic else ""
     plan = plan_full_graph(gm, split, build.analysis.static_inputs, build.analysis.symbol,
-                           options.capturable_ops.covers)
+                           options.capturable_ops.covers, scalars.inputs if scalars else ())
     if isinstance(plan, str):
         log.info("cgcompile: graph %d has no full graph: %s", build.index, plan)
         return FullGraphChoice(None, f"piecewise only: {plan}{note}", NO_PLAN)
-    graph = _make_full_graph(build, gm, split, runners, session, eager_compiles, options, plan)
+    buffer = scalars.buffer if scalars else None
+    graph = _make_full_graph(build, gm, split, runners, session, eager_compiles, options, plan, buffer)
     return FullGraphChoice(graph, _full_graph_summary(plan, options) + note,
                            CHOSEN_AUTOMATICALLY if automatic else CHOSEN_BY_CONFIG)
 
@@ -364,12 +413,15 @@ def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
     runs = "the whole graph compiled as one per size" if options.full_graph_compile else "the pieces' code in order"
     if options.small_query_attention:
         runs += ", attention of few query rows compiled as batched matmuls"
-    return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}"
+    written = [plan.names[i] for i in plan.device_scalars]
+    read = f"; it reads these from a device buffer written per call: {written}" if written else ""
+    return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}{read}"
 
 
 def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
                      session: CaptureSession, eager_compiles: EagerPieceCompiles,
-                     options: FullGraphOptions, plan: FullGraphPlan) -> FullGraph:
+                     options: FullGraphOptions, plan: FullGraphPlan,
+                     scalars: DeviceScalarBuffer | None) -> FullGraph:
     config = build.config
     values = _output_values(gm)
     copies = () if config.graphs.reuse_output_buffers else tuple(
@@ -385,7 +437,7 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
     pieces = plain_function(split.stitch, runners.runners, n_at, config.split.cudnn_attention, eager)
     code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
                          config.split.cudnn_attention, options.small_query_attention)
-    return FullGraph(name, plan, code, session, copies, cudagraphs=build.analysis.cudagraphs)
+    return FullGraph(name, plan, code, session, copies, cudagraphs=build.analysis.cudagraphs, scalars=scalars)
 
 
 def outputs_to_clone(gm: torch.fx.GraphModule, split: SplitGraph, runners: Runners,
@@ -425,20 +477,23 @@ def call_sizing(build: GraphBuild, session: CaptureSession) -> CallSizing | None
 
 
 def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph,
-                  fusion: Fusion) -> AddressWatch | None:
+                  fusion: Fusion, scalars: ScalarInputs) -> AddressWatch | None:
     """The parameters and buffers captured pieces read in place (never copied, see
     `graph_piece`), checked at every call (`weights.ParameterAddresses`); None without
     CUDA graphs or with Config.check_addresses (which raises instead). Those only eager
     pieces read need no check: eager code reads the call's own; a full graph checks them
     itself (`FullGraphPlan.by_address`). Left out too: the backend's own fused weights
-    (they keep their addresses, see `fused_weights.FusedWeights`). A wrapper subclass (a DTensor
+    (they keep their addresses, see `fused_weights.FusedWeights`) and device-scalar
+    buffer (`scalars`: the inputs are its example inputs). A wrapper subclass (a DTensor
     shard, quantized weights) has no address of its own: the tensors it wraps are watched."""
     if not build.analysis.cudagraphs or build.config.debug.check_addresses:
         return None
     read = {n.name for spec in split.pieces if spec.capturable for n in spec.inputs if n.op == "placeholder"}
     owned = {id(t) for t in fusion.weights.tensors} if fusion.weights is not None else set()  # never move
+    if scalars.buffer is not None:
+        owned.add(id(scalars.buffer.values))
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs = fusion.example_inputs
+    inputs = scalars.example_inputs
     watched = [i for i, name in enumerate(names)
                if name in build.analysis.static_inputs and name in read and id(inputs[i]) not in owned]
     indices = [i for i in watched if has_address(inputs[i])]

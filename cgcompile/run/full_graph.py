@@ -42,6 +42,7 @@ import torch
 
 from .buffers import StaticBuffer, empty_like_strided, fill_all
 from .capture import CaptureSession, Mode, weak_alias
+from .device_scalars import DeviceScalarBuffer
 from ..errors import CaptureError
 from ..ops import call_without_cudnn_attention
 from ..passes import FullGraphPlan
@@ -72,18 +73,22 @@ class FullGraph:
         or the whole graph compiled as one); captured, or run per call without CUDA graphs.
     copies: how each tensor output is copied out of the graph's static buffers
         (`runtime.OutputCopy`); empty with Config.reuse_output_buffers.
+    scalars: the graph's `device_scalars.DeviceScalarBuffer` (None: none). The runtime
+        writes it before every call; here the host ints the graph returns that depend on
+        its values are computed again for the call (a graph holds those of its capture).
     """
 
     kind = "full graph"
 
     def __init__(self, name: str, plan: FullGraphPlan, code: FullGraphCode, session: CaptureSession,
-                 copies: tuple[OutputCopy, ...], *, cudagraphs: bool):
+                 copies: tuple[OutputCopy, ...], *, cudagraphs: bool, scalars: DeviceScalarBuffer | None = None):
         self.name = name
         self.plan = plan
         self.code = code
         self.session = session
         self.copies = copies
         self.cudagraphs = cudagraphs
+        self.scalars = scalars
         self.graphs: dict[int, _Entry] = {}
         self.calls = Counter()  # "full", "piecewise": this graph's calls by path (`counts`)
         self.reasons = Counter()  # its piecewise calls by case
@@ -128,22 +133,27 @@ class FullGraph:
 
     def _replay(self, entry: _Entry, args: Sequence, size: int):
         if entry.graph is None:
-            return tuple(entry.code(*args))
+            return self._host_ints(args, tuple(entry.code(*args)))
         fill_all(entry.inputs, args, size, size)  # never padded: the full path runs at n == size
         entry.graph.replay()
-        return self._hand_out(entry.outputs)
+        return self._host_ints(args, self._hand_out(entry.outputs))
+
+    def _host_ints(self, args: Sequence, outputs: tuple) -> tuple:
+        """The host ints computed from device scalars, for this call: a graph holds those of
+        its capture, a whole-graph compile those of the call it was compiled at."""
+        return outputs if self.scalars is None else self.scalars.host_outputs(args, outputs)
 
     def _capture(self, args: Sequence, size: int, key: tuple):
         code = self.code.for_call(size, self.plan.symbol_values(args), args)
         if not self.cudagraphs:
             self.graphs[size] = _Entry(None, key, code, (), ())
-            return tuple(code(*args))
+            return self._host_ints(args, tuple(code(*args)))
         # The real run: this call's results, and its in-place writes (a cache update) happen
         # once. Capture then records the same work without running it. Its results are handed
         # out as a replay's are, in eager's layout where eager's is contiguous: in a compiled
         # piece's layout (a KV cache `cat` laid out [B, T, H, D]-major by Inductor) the next
         # call would fail Dynamo's stride guard and compile another graph.
-        outputs = self._hand_out(tuple(self.session.warm_up(code, *args)))
+        outputs = self._host_ints(args, self._hand_out(tuple(self.session.warm_up(code, *args))))
         try:
             graph, static_args, static_outputs = self.session.capture(
                 self.name, code, lambda: self._static_args(args)

@@ -44,6 +44,7 @@ from ..errors import CaptureError
 from ..ops import call_without_cudnn_attention
 from .replay_plan import ReplayPlans
 from ..stats import RunCounts, total
+from .device_scalars import DeviceScalarBuffer
 from .fused_weights import FusedWeights
 from .weights import ParameterAddresses
 
@@ -319,6 +320,8 @@ class GraphRuntime:
     graph, whose pieces always run at the one size they were traced with, 0).
     full: a `full_graph.FullGraph`, one graph for the whole call where allowed.
     fused: a `fused_weights.FusedWeights`, inputs appended to every call.
+    scalars: a `device_scalars.DeviceScalarBuffer`, written with the call's host ints and
+        appended after them, before any executor runs.
     addresses: the parameters and buffers to watch (None without CUDA graphs); watched
         by `self.addresses`, a `weights.ParameterAddresses`.
     session: the capture session of the graphs (read when moved parameters drop them).
@@ -342,6 +345,7 @@ class GraphRuntime:
         *,
         full: Any = None,
         fused: FusedWeights | None = None,
+        scalars: DeviceScalarBuffer | None = None,
         addresses: AddressWatch | None = None,
         session: Any = None,
         graph_name: str = "graph",
@@ -357,6 +361,7 @@ class GraphRuntime:
         self.step = CallSize(0, 0)
         self.full = full
         self.fused = fused
+        self.scalars = scalars
         self.session = session
         self.addresses = None if addresses is None else ParameterAddresses(
             addresses.name, addresses.indices, addresses.names, self._recapture, wrapped=addresses.wrapped)
@@ -409,6 +414,8 @@ class GraphRuntime:
             self.specs.check(args)
         if self.fused is not None:
             args = self.fused.extend(args)
+        if self.scalars is not None:
+            args = self.scalars.extend(args)
         graphs = self.addresses is None or self.addresses.allow(args)
         if self.sizing is None:
             n, size = 0, 0  # a static graph: its one size
