@@ -109,7 +109,9 @@ def read_scalars_from_device(gm: GraphModule) -> tuple[GraphModule, DeviceScalar
         return original, DeviceScalars(kept=tuple(kept))
     returned = {node for *_, uses in chosen for node in uses.outputs}
     host_outputs = tuple(k for k, value in enumerate(_output_values(gm)) if value in returned)
-    device = device or torch.device("cpu")  # no tensor op reads them, only host outputs
+    # No tensor op reads them, only host outputs: the buffer is read by nothing, but it
+    # lives with the graph's tensors so that no piece sees a tensor of another device.
+    device = device or _tensor_device(placeholders) or torch.device("cpu")
     _rewrite(gm, placeholders[-1], [(placeholders[i], uses) for i, _, uses in chosen], device)
     return gm, DeviceScalars(tuple(i for i, *_ in chosen), tuple(s for _, s, _ in chosen), device, host_outputs,
                              tuple(kept))
@@ -223,15 +225,20 @@ def _rewrite(gm: GraphModule, last_input: Node, chosen: list[tuple[Node, _Uses]]
                                                                         device=device))
     order = {n: k for k, n in enumerate(graph.nodes)}
     for j, (node, uses) in enumerate(chosen):
-        readers = [*uses.chain, *uses.tensor_uses]
-        if not readers:  # only host outputs read it
+        if not uses.tensor_uses:  # only host outputs read it: nothing to read on the device
             continue
+        # Only the host arithmetic that feeds a tensor op is repeated on the device; what
+        # leads to host outputs alone stays host code (a device copy of it would be dead
+        # code on the buffer's device, which a split would have to place).
+        feeding = _ancestors([a for user in uses.tensor_uses for a in user.args if isinstance(a, Node)])
+        chain = [host for host in uses.chain if host in feeding]
+        readers = [*chain, *uses.tensor_uses]
         # Read where first needed: the piece that needs it takes the buffer, not a view
         # made in an earlier piece.
         with graph.inserting_before(min(readers, key=order.__getitem__)):
             on_device = {node: graph.call_function(operator.getitem, (buffer, j))}
         _set_fake(fake_mode, on_device[node], operator.getitem, (buffer, j))
-        for host in uses.chain:
+        for host in chain:
             on_device[host] = _repeat_on_device(graph, host, on_device, fake_mode)
         for user in uses.tensor_uses:
             user.args = tuple(on_device.get(a, a) if isinstance(a, Node) else a for a in user.args)
@@ -266,6 +273,15 @@ def _fake(fake_mode, make):
         return make()
     with fake_mode:
         return make()
+
+
+def _tensor_device(placeholders: list[Node]) -> torch.device | None:
+    """The device of the graph's first tensor input (None: it has none)."""
+    for node in placeholders:
+        value = example_value(node)
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
 
 
 def _output_values(gm: GraphModule) -> list:

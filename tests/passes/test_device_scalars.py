@@ -101,3 +101,24 @@ def test_mixed_uses_and_a_changed_dtype_leave_the_symbol_alone():
         gm = _dynamo_graph(fn, x, [3, 5])
         rewritten, found = read_scalars_from_device(gm)
         assert rewritten is gm and found.inputs == () and why in found.kept[0][1]
+
+
+def returned_only(x, n):
+    # generate()'s decode graph: the cache length only goes back to the host (n + 1).
+    return x * 2, n + 1
+
+
+def test_a_symbol_only_returned_is_left_out_of_the_key_with_nothing_read_on_the_device():
+    x = torch.randn(8)
+    gm = _dynamo_graph(returned_only, x, [3, 12])
+    rewritten, found = read_scalars_from_device(gm)
+    assert len(found.inputs) == 1 and found.host_outputs == (1,)
+    # No device read and no device copy of the host arithmetic: only the buffer's input.
+    assert not [n for n in rewritten.graph.nodes if n.op == "call_function" and n.args and n.args[0] is
+                _inputs(rewritten)[-1]]
+    assert [n.target for n in rewritten.graph.nodes if n.op == "call_function"] == \
+        [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    for n in (0, 7, 30):
+        buffer, args, got = _run(rewritten, found, x, n)
+        torch.testing.assert_close(got[0], x * 2)
+        assert buffer.host_outputs(args, (None, -1)) == (None, n + 1)
