@@ -1,4 +1,5 @@
-"""One captured all-reduce, NCCL against cgcompile's fast path (torch symmetric memory).
+"""One captured all-reduce, NCCL against cgcompile's fast path (torch symmetric memory) and
+against the fast path with the Lamport kernel.
 
     torchrun --nproc-per-node 2 benchmarks/all_reduce_bench.py [--rows 1,8,64,256,1024] [--json out.json]
 
@@ -6,9 +7,12 @@ For each size [rows, hidden] bf16 and each path, `--per-graph` all-reduces are c
 in one CUDA graph (as a decode step's pieces hold them) and the graph is replayed; the time
 per all-reduce is the median replay over `--per-graph`. "fast" is the op the graph rewrite
 inserts, `cgcompile::all_reduce` (one-shot, two-shot or NCCL by size, see
-`cgcompile.parallel.all_reduce_choice`); "nccl" is `funcol.all_reduce` + wait, what the
-model's collective is without the rewrite. Each rank checks that both paths sum alike.
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
+`cgcompile.parallel.all_reduce_choice`) on a group set up with all_reduce="auto"; "lamport"
+is the same op on a second group over the same ranks set up with all_reduce="lamport"
+(`cgcompile.parallel.lamport_all_reduce` up to 64 KiB, the fast path's choice above);
+"nccl" is `funcol.all_reduce` + wait, what the model's collective is without the rewrite.
+Each rank checks that every path sums like NCCL, bit for bit. NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
 """
 
 from __future__ import annotations
@@ -75,34 +79,53 @@ def us_per_all_reduce(path, x, group_name, args) -> float:
     return statistics.median(times), result
 
 
+def set_up_groups(device):
+    """The default group with the fast path as "auto" sets it up, and a second group over the
+    same ranks with the Lamport kernel (a group's choice is made once)."""
+    prepare_collectives(device)
+    lamport_group = dist.new_group(list(range(dist.get_world_size())))
+    prepare_collectives(device, lamport_group, all_reduce="lamport")
+    return {"fast": setup_all_reduce(device), "lamport": setup_all_reduce(device, lamport_group)}
+
+
+def time_row(rows, choices, device, args) -> dict:
+    """One size on every path: the time per all-reduce, each path's kind, all checked against NCCL."""
+    x = torch.full((rows, args.hidden), float(dist.get_rank() + 1), device=device, dtype=torch.bfloat16)
+    row = {"world": dist.get_world_size(), "rows": rows, "hidden": args.hidden, "dtype": "bf16", "bytes": x.numel() * 2}
+    nccl_us, nccl_out = us_per_all_reduce(nccl, x, dist.group.WORLD.group_name, args)
+    row["nccl_us"] = round(nccl_us, 2)
+    for path, choice in choices.items():
+        row[f"{path}_kind"], row[f"{path}_why"] = kind_for_call(choice, reduce_op="sum", dtype=x.dtype, numel=x.numel())
+        path_us, path_out = us_per_all_reduce(fast, x, choice.group_name, args)
+        torch.testing.assert_close(path_out, nccl_out, rtol=0, atol=0, msg=f"{path} at {rows} rows")
+        row[f"{path}_us"], row[f"{path}_speedup"] = round(path_us, 2), round(nccl_us / path_us, 2)
+    return row
+
+
+def print_table(choices, rows_out) -> None:
+    for path, choice in choices.items():
+        print(f"{path} group choice: {choice}")
+    print(f"{'rows':>6} {'bytes':>9} {'nccl us':>8} {'fast kind':>9} {'fast us':>8} {'x':>5} "
+          f"{'lamport kind':>12} {'lamport us':>10} {'x':>5}")
+    for r in rows_out:
+        print(f"{r['rows']:>6} {r['bytes']:>9} {r['nccl_us']:>8} {r['fast_kind']:>9} {r['fast_us']:>8} "
+              f"{r['fast_speedup']:>5} {r['lamport_kind']:>12} {r['lamport_us']:>10} {r['lamport_speedup']:>5}")
+
+
 def main():
     args = parse_args()
     with torchrun_worker("cuda") as device, torch.inference_mode():
-        prepare_collectives(device)
-        choice = setup_all_reduce(device)
-        group_name = dist.group.WORLD.group_name
+        choices = set_up_groups(device)
         rows_out = []
         for rows in map(int, args.rows.split(",")):
-            x = torch.full((rows, args.hidden), float(dist.get_rank() + 1), device=device, dtype=torch.bfloat16)
-            kind, why = kind_for_call(choice, reduce_op="sum", dtype=x.dtype, numel=x.numel())
-            nccl_us, nccl_out = us_per_all_reduce(nccl, x, group_name, args)
-            fast_us, fast_out = us_per_all_reduce(fast, x, group_name, args)
-            torch.testing.assert_close(fast_out, nccl_out, rtol=0, atol=0)
-            rows_out.append({"world": dist.get_world_size(), "rows": rows, "hidden": args.hidden, "dtype": "bf16",
-                             "bytes": x.numel() * 2, "fast_kind": kind, "why": why,
-                             "nccl_us": round(nccl_us, 2), "fast_us": round(fast_us, 2),
-                             "speedup": round(nccl_us / fast_us, 2)})
+            rows_out.append(time_row(rows, choices, device, args))
             if dist.get_rank() == 0:
                 print(json.dumps(rows_out[-1]), flush=True)
         if dist.get_rank() == 0:
-            print(f"group choice: {choice}")
-            print(f"{'rows':>6} {'bytes':>9} {'fast kind':>9} {'nccl us':>8} {'fast us':>8} {'x':>5}")
-            for r in rows_out:
-                print(f"{r['rows']:>6} {r['bytes']:>9} {r['fast_kind']:>9} {r['nccl_us']:>8} {r['fast_us']:>8} "
-                      f"{r['speedup']:>5}")
+            print_table(choices, rows_out)
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"choice": str(choice), "rows": rows_out}, f, indent=1)
+                    json.dump({"choices": {k: str(c) for k, c in choices.items()}, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":

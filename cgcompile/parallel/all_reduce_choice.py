@@ -1,5 +1,7 @@
 """Which all-reduce a process group gets: torch symmetric memory's one-shot or two-shot
-kernels over NVLink P2P pointers (the fast path), or the group's own NCCL all-reduce.
+kernels over NVLink P2P pointers (the fast path), optionally cgcompile's barrier-free
+Lamport kernel for the smallest messages (`lamport_all_reduce`), or the group's own NCCL
+all-reduce.
 
 Two decisions, both pure functions of recorded facts:
 
@@ -11,7 +13,9 @@ Two decisions, both pure functions of recorded facts:
     no Python): one-shot for messages up to `ONE_SHOT_MAX_BYTES`, two-shot up to
     `TWO_SHOT_MAX_BYTES`, NCCL above (bandwidth-bound, where NCCL's ring is as good), and
     NCCL for what the kernels do not take (a non-sum reduction, another dtype, a
-    misaligned size).
+    misaligned size). A group set up with `configured="lamport"` (opt-in until GPU
+    measurements decide) sends messages up to `LAMPORT_MAX_BYTES` to the Lamport kernel
+    instead of one-shot, where Triton is there and the input's address is 16-byte aligned.
 
 Why these kernels: NCCL's ring and tree protocols are bandwidth-optimal but pay several
 micro-seconds of protocol per call; a decode step's all-reduce moves a few KB. One-shot
@@ -33,18 +37,21 @@ FAST = "symm_mem"
 NCCL = "nccl"
 ONE_SHOT = "one_shot"
 TWO_SHOT = "two_shot"
+LAMPORT = "lamport"  # a per-call kind, and the `configured` value that turns it on
 
 ONE_SHOT_MAX_BYTES = 512 * 1024
 TWO_SHOT_MAX_BYTES = 8 * 1024 * 1024  # also the size of each symmetric buffer
 FAST_DTYPES = (torch.bfloat16, torch.float32)  # what torch's one/two-shot kernels dispatch on
 ALIGNMENT = 16  # bytes: the kernels move 16-byte vectors
+LAMPORT_MAX_BYTES = 64 * 1024  # also the size of each slot of a Lamport buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupFacts:
     """What the choice reads about one process group, gathered on every rank alike.
 
-    symm_mem_problem: why torch's symmetric memory cannot serve here (None: it can)."""
+    symm_mem_problem: why torch's symmetric memory cannot serve here (None: it can).
+    lamport_problem: why the Lamport kernel cannot serve here (None: it can, or nobody asked)."""
 
     device_type: str
     backend: str | None
@@ -52,11 +59,13 @@ class GroupFacts:
     hosts: int
     p2p: bool
     symm_mem_problem: str | None
+    lamport_problem: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class AllReduceChoice:
-    """The all-reduce one process group gets, and why: `kind` is FAST or NCCL."""
+    """The all-reduce one process group gets, and why: `kind` is FAST or NCCL.
+    lamport_max_bytes: the largest message the Lamport kernel takes (0: none)."""
 
     group_name: str
     kind: str
@@ -65,10 +74,19 @@ class AllReduceChoice:
     one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES
     max_bytes: int = TWO_SHOT_MAX_BYTES
     dtypes: tuple[torch.dtype, ...] = FAST_DTYPES
+    lamport_max_bytes: int = 0
 
     @property
     def fast(self) -> bool:
         return self.kind == FAST
+
+    @property
+    def lamport(self) -> bool:
+        return self.fast and self.lamport_max_bytes > 0
+
+    def without_lamport(self, why: str) -> AllReduceChoice:
+        """The same choice with the Lamport kernel off, saying why."""
+        return dataclasses.replace(self, lamport_max_bytes=0, reason=f"{self.reason}; Lamport off: {why}")
 
     def __str__(self) -> str:
         return f"group {self.group_name!r}: {self.kind} ({self.reason})"
@@ -95,12 +113,20 @@ def choose_for_group(group_name: str, facts: GroupFacts, *, configured: str = "a
         return nccl(facts.symm_mem_problem)
     why = (f"one-shot up to {ONE_SHOT_MAX_BYTES // 1024} KiB, two-shot up to "
            f"{TWO_SHOT_MAX_BYTES // 2**20} MiB, NCCL above; {facts.world_size} GPUs on one host over P2P")
-    return AllReduceChoice(group_name, FAST, why, facts.world_size)
+    choice = AllReduceChoice(group_name, FAST, why, facts.world_size)
+    if configured != LAMPORT:
+        return choice
+    if facts.lamport_problem is not None:
+        return choice.without_lamport(facts.lamport_problem)
+    why = f"Lamport up to {LAMPORT_MAX_BYTES // 1024} KiB (Config.all_reduce='lamport'), then {why}"
+    return dataclasses.replace(choice, reason=why, lamport_max_bytes=LAMPORT_MAX_BYTES)
 
 
 def kind_for_call(choice: AllReduceChoice, *, reduce_op: str, dtype: torch.dtype, numel: int,
-                  contiguous: bool = True) -> tuple[str, str]:
-    """(ONE_SHOT | TWO_SHOT | NCCL, why) for one all-reduce of `numel` elements."""
+                  contiguous: bool = True, aligned: bool = True) -> tuple[str, str]:
+    """(LAMPORT | ONE_SHOT | TWO_SHOT | NCCL, why) for one all-reduce of `numel` elements.
+    aligned: the input's address is a multiple of ALIGNMENT (the Lamport kernel reads the
+    input in place, and Triton compiles another kernel for an unaligned pointer)."""
     if not choice.fast:
         return NCCL, choice.reason
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -114,8 +140,12 @@ def kind_for_call(choice: AllReduceChoice, *, reduce_op: str, dtype: torch.dtype
         return NCCL, f"{nbytes} bytes, over the {choice.max_bytes} of the symmetric buffer (bandwidth-bound)"
     if nbytes % ALIGNMENT:
         return NCCL, f"{nbytes} bytes, not a multiple of {ALIGNMENT}"
+    if nbytes <= choice.lamport_max_bytes and aligned:
+        return LAMPORT, f"{nbytes} bytes <= {choice.lamport_max_bytes}"
     if nbytes <= choice.one_shot_max_bytes:
-        return ONE_SHOT, f"{nbytes} bytes <= {choice.one_shot_max_bytes}"
+        unaligned = nbytes <= choice.lamport_max_bytes  # the Lamport kernel's size, not its address
+        return ONE_SHOT, f"{nbytes} bytes <= {choice.one_shot_max_bytes}" + (
+            f" (an input address not {ALIGNMENT}-byte aligned: not Lamport)" if unaligned else "")
     element = nbytes // numel
     if numel % (choice.world_size * ALIGNMENT // element):
         return NCCL, f"{numel} elements do not split into {choice.world_size} aligned shards for two-shot"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import logging
 import os
 import socket
@@ -41,8 +42,9 @@ import torch.distributed as dist
 
 from ..run.capture import release_all_graphs
 from ..errors import DistributedError, expect
-from .all_reduce_choice import NCCL, AllReduceChoice, GroupFacts, choose_for_group
-from .symm_all_reduce import GROUPS, FastGroup, allocate_buffers, symm_mem_problem
+from .all_reduce_choice import LAMPORT, NCCL, AllReduceChoice, GroupFacts, choose_for_group
+from .lamport_all_reduce import lamport_problem
+from .symm_all_reduce import GROUPS, FastGroup, allocate_buffers, allocate_lamport, symm_mem_problem
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ def collectives_capturable(group, device: torch.device) -> bool:
 
 def prepare_collectives(device: torch.device | str, group=None, *, all_reduce: str = "auto") -> None:
     """Run one all-reduce on `device` so the group's communicator exists before any capture,
-    and choose the group's all-reduce (`setup_all_reduce`; `all_reduce="nccl"` keeps NCCL).
+    and choose the group's all-reduce (`setup_all_reduce`; `all_reduce="nccl"` keeps NCCL,
+    `all_reduce="lamport"` adds the Lamport kernel for small messages).
 
     Call it once on every rank after `init_process_group` and before the first compiled
     call (`cgcompile.parallel.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
@@ -118,49 +121,98 @@ def setup_all_reduce(device: torch.device | str, group=None, *, configured: str 
     group = require_group("setup_all_reduce", group)
     known = GROUPS.get(group.group_name)
     if known is not None:
+        _warn_set_up_before(known.choice, configured)
         return known.choice
     device = torch.device(device)
-    choice = choose_for_group(group.group_name, gather_facts(group, device), configured=configured)
-    buffers = {}
+    facts = gather_facts(group, device, lamport=configured == LAMPORT)
+    choice = choose_for_group(group.group_name, facts, configured=configured)
+    buffers, lamport = {}, {}
     if choice.fast:
         choice, buffers = _allocate_or_fall_back(choice, group, device)
-    GROUPS.add(FastGroup(choice, buffers))
+    if choice.lamport:
+        choice, lamport = _lamport_or_fall_back(choice, group, device)
+    GROUPS.add(FastGroup(choice, buffers, lamport))
     log.info("cgcompile: %s: all-reduce for %s", rank_name(), choice)
     return choice
 
 
-def gather_facts(group, device: torch.device) -> GroupFacts:
+def _warn_set_up_before(choice: AllReduceChoice, configured: str) -> None:
+    """A group is set up once: say so where a later set-up asks for the Lamport kernel and the
+    group has none (or the reverse), rather than quietly keeping the first choice."""
+    asked = configured == LAMPORT
+    if configured != NCCL and choice.fast and asked != choice.lamport:
+        _warn_once(choice.group_name, configured, str(choice))
+
+
+@functools.cache
+def _warn_once(group_name: str, configured: str, choice: str) -> None:
+    log.warning("cgcompile: %s: all_reduce=%r asked for group %r, which was set up earlier as %s; it keeps "
+                "that choice (set the group up first with prepare_collectives(device, group, all_reduce=%r))",
+                rank_name(), configured, group_name, choice, configured)
+
+
+def gather_facts(group, device: torch.device, *, lamport: bool = False) -> GroupFacts:
     """What `choose_for_group` reads, the same on every rank: gathered over the group only
-    where the fast path is possible at all (CUDA tensors on an NCCL group)."""
+    where the fast path is possible at all (CUDA tensors on an NCCL group); whether the
+    Lamport kernel can run, only where `lamport` asks."""
     backend, world = backend_for(group, device), dist.get_world_size(group)
     if device.type != "cuda" or backend != "nccl" or world < 2:
         return GroupFacts(device.type, backend, world, 1, False, None)
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, (socket.gethostname(), device.index, symm_mem_problem(device)), group=group)
+    mine = (socket.gethostname(), device.index, symm_mem_problem(device), lamport and lamport_problem(world))
+    dist.all_gather_object(everyone, mine, group=group)
     here = socket.gethostname()
-    peers = [index for host, index, _ in everyone if host == here and index != device.index]
+    peers = [index for host, index, *_ in everyone if host == here and index != device.index]
     p2p: list = [None] * world
     dist.all_gather_object(p2p, all(torch.cuda.can_device_access_peer(device, i) for i in peers), group=group)
-    problems = [problem for *_, problem in everyone if problem]
+    problems = [problem for _, _, problem, _ in everyone if problem]
+    lamport_problems = [f"rank {i}: {problem}" for i, (*_, problem) in enumerate(everyone) if problem]
     return GroupFacts("cuda", backend, world, len({host for host, *_ in everyone}), all(p2p),
-                      problems[0] if problems else None)
+                      problems[0] if problems else None, lamport_problems[0] if lamport_problems else None)
+
+
+def _on_every_rank(group, make, catch=(RuntimeError, ValueError)):
+    """make() on every rank of `group`: its result here (None where it raised one of `catch`)
+    and every rank's failures, the same list on every rank. The gather is also a barrier:
+    no rank returns before every rank has finished make()."""
+    try:
+        made, error = make(), None
+    except catch as e:
+        made, error = None, f"{type(e).__name__}: {e}"
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return made, [f"rank {i}: {e}" for i, e in enumerate(errors) if e]
 
 
 def _allocate_or_fall_back(choice: AllReduceChoice, group, device: torch.device):
     """The symmetric buffers, or NCCL (a warning) on every rank when any rank failed."""
-    try:
-        buffers, error = allocate_buffers(choice, device), None
-    except (RuntimeError, ValueError) as e:  # torch raises these for allocation and rendezvous
-        buffers, error = {}, f"{type(e).__name__}: {e}"
-    errors: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = [f"rank {i}: {e}" for i, e in enumerate(errors) if e]
+    # torch raises RuntimeError and ValueError for allocation and rendezvous
+    buffers, failed = _on_every_rank(group, lambda: allocate_buffers(choice, device))
     if not failed:
         return choice, buffers
     log.warning("cgcompile: %s: symmetric memory for group %r failed (%s); its all-reduces use NCCL",
                 rank_name(), choice.group_name, "; ".join(failed))
     reason = f"symmetric buffers could not be made ({failed[0]})"
     return AllReduceChoice(choice.group_name, NCCL, reason, choice.world_size), {}
+
+
+def _lamport_or_fall_back(choice: AllReduceChoice, group, device: torch.device):
+    """The Lamport buffers, made on every rank and then checked by one all-reduce per dtype,
+    or the choice without them (a warning, on every rank) when any rank failed.
+
+    The first gather is the barrier the protocol needs: every rank's sentinel fill is done
+    on its device (`allocate_lamport` synchronizes) before any rank's first call writes into
+    its peers. Any exception counts as a failure (a Triton compile error too): a rank that
+    raised past the gather would leave its peers waiting there, or spinning in the check."""
+    rank = dist.get_rank(group)
+    lamport, failed = _on_every_rank(group, lambda: allocate_lamport(choice, rank, device), catch=Exception)
+    if not failed:
+        _, failed = _on_every_rank(group, lambda: [b.check() for b in lamport.values()], catch=Exception)
+    if not failed:
+        return choice, lamport
+    log.warning("cgcompile: %s: the Lamport all-reduce for group %r failed (%s); its small all-reduces use "
+                "one-shot", rank_name(), choice.group_name, "; ".join(failed))
+    return choice.without_lamport(f"its set-up failed ({failed[0]})"), {}
 
 
 def check_same_rows(culprit: str, rows: int, group=None) -> None:

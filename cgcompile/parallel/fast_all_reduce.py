@@ -71,7 +71,7 @@ def route_graph_all_reduces(gm: torch.fx.GraphModule, device: torch.device, *,
     graphs Inductor compiles (`inductor_all_reduce`), which must not run collectives."""
     if device.type == "cuda" and configured != NCCL:
         for group in _mesh_groups(gm):
-            setup_all_reduce(device, group)
+            setup_all_reduce(device, group, configured=configured)
     return _route(gm, lambda site: _decide(site, device, configured), "graph")
 
 
@@ -104,7 +104,7 @@ def _decide(site: AllReduceSite, device: torch.device, configured: str) -> tuple
         return NCCL, f"the graph runs on {device.type}"
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _by_choice(site, setup_all_reduce(device, _resolve_process_group(site.group_name)))
+    return _by_choice(site, setup_all_reduce(device, _resolve_process_group(site.group_name), configured=configured))
 
 
 def _decide_recorded(site: AllReduceSite, choice: AllReduceChoice | None) -> tuple[str, str]:

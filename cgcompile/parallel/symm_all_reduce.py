@@ -5,7 +5,9 @@ and this process's record of every group's choice.
     out = torch.ops.cgcompile.all_reduce(x, "sum", group_name)   # = funcol.all_reduce(x, "sum", group)
 
 Per call (at capture: a replay runs no Python) the op picks one-shot, two-shot or NCCL by
-`all_reduce_choice.kind_for_call`; a group with no fast path (or none set up) gets NCCL.
+`all_reduce_choice.kind_for_call`; a group with no fast path (or none set up) gets NCCL. A
+group set up with `configured="lamport"` also holds one `lamport_all_reduce.LamportBuffer`
+per dtype (its own symmetric buffer, under the same contract) for the smallest messages.
 
 Buffer contract. A group with the fast path owns one symmetric buffer per dtype,
 `[TWO_SHOT_MAX_BYTES / element size]`, allocated with `torch.distributed._symmetric_memory.empty`
@@ -31,7 +33,8 @@ import warnings
 
 import torch
 
-from .all_reduce_choice import NCCL, ONE_SHOT, TWO_SHOT, AllReduceChoice, kind_for_call
+from .all_reduce_choice import ALIGNMENT, LAMPORT, NCCL, ONE_SHOT, TWO_SHOT, AllReduceChoice, kind_for_call
+from .lamport_all_reduce import LamportBuffer
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +44,13 @@ _SYMM_OPS = ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
 
 @dataclasses.dataclass
 class FastGroup:
-    """One group's choice, its symmetric buffers (by dtype; empty for NCCL) and how many
-    all-reduces ran each way (eager calls and captures; replays run no Python)."""
+    """One group's choice, its symmetric buffers (by dtype; empty for NCCL), its Lamport
+    buffers (by dtype; empty unless `choice.lamport`) and how many all-reduces ran each way
+    (eager calls and captures; replays run no Python)."""
 
     choice: AllReduceChoice
     buffers: dict[torch.dtype, torch.Tensor]
+    lamport: dict[torch.dtype, LamportBuffer] = dataclasses.field(default_factory=dict)
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -110,6 +115,18 @@ def allocate_buffers(choice: AllReduceChoice, device: torch.device) -> dict[torc
     return buffers
 
 
+def allocate_lamport(choice: AllReduceChoice, rank: int, device: torch.device) -> dict[torch.dtype, LamportBuffer]:
+    """One Lamport buffer per dtype of `choice`, filled with the sentinel and rendezvoused
+    (a collective, after `allocate_buffers`), its kernel compiled, every fill done on the
+    device. The caller meets every rank before the first call (see `LamportBuffer.allocate`)."""
+    buffers = {dtype: LamportBuffer.allocate(choice.group_name, dtype, rank, choice.world_size, device)
+               for dtype in choice.dtypes}
+    for buffer in buffers.values():
+        buffer.compile()
+    torch.cuda.synchronize(device)
+    return buffers
+
+
 def _enable_for_group(symm_mem, group_name: str) -> None:
     """Older torch needs the group enabled before a rendezvous; newer torch deprecates the
     call (a FutureWarning) and needs nothing."""
@@ -127,10 +144,12 @@ def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor
     kind = NCCL
     if group is not None:
         kind, _ = kind_for_call(group.choice, reduce_op=reduce_op, dtype=x.dtype, numel=x.numel(),
-                                contiguous=x.is_contiguous())
+                                contiguous=x.is_contiguous(), aligned=x.data_ptr() % ALIGNMENT == 0)
         group.calls[kind] += 1
     if kind == NCCL:
         return _nccl_all_reduce(x, reduce_op, group_name)
+    if kind == LAMPORT:  # reads x in place: no copy into a buffer
+        return group.lamport[x.dtype].all_reduce(x)
     buffer = group.buffers[x.dtype][: x.numel()].view(x.shape)  # starts at the buffer's base
     out = torch.empty_like(x)
     if kind == ONE_SHOT:  # copies x into the buffer inside the kernel

@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cgcompile.parallel.all_reduce_choice import (
-    FAST, NCCL, ONE_SHOT, ONE_SHOT_MAX_BYTES, TWO_SHOT, TWO_SHOT_MAX_BYTES, GroupFacts, choose_for_group,
-    kind_for_call,
+    FAST, LAMPORT, LAMPORT_MAX_BYTES, NCCL, ONE_SHOT, ONE_SHOT_MAX_BYTES, TWO_SHOT, TWO_SHOT_MAX_BYTES, GroupFacts,
+    choose_for_group, kind_for_call,
 )
 from cgcompile.build.compiler import PieceCompiler
 from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route_graph_all_reduces
@@ -80,6 +80,67 @@ def test_sizes_the_kernels_cannot_split_evenly_get_nccl():
 def test_a_group_on_nccl_sends_every_call_to_nccl():
     choice = choose_for_group("tp", GOOD, configured="nccl")
     assert kind_for_call(choice, reduce_op="sum", dtype=torch.bfloat16, numel=4096) == (NCCL, choice.reason)
+
+
+# -- the Lamport kernel, opt-in ------------------------------------------------------------
+
+LAMPORT_CHOICE = choose_for_group("tp", GOOD, configured="lamport")
+
+
+def test_lamport_is_opt_in_and_says_so():
+    assert not FAST_CHOICE.lamport and FAST_CHOICE.lamport_max_bytes == 0  # "auto" unchanged
+    assert LAMPORT_CHOICE.kind == FAST and LAMPORT_CHOICE.lamport
+    assert "Lamport up to 64 KiB (Config.all_reduce='lamport'), then one-shot up to 512 KiB" in str(LAMPORT_CHOICE)
+
+
+@pytest.mark.parametrize("numel, dtype, reduce_op, aligned, kind, why", [
+    (4096, torch.bfloat16, "sum", True, LAMPORT, "8192 bytes <= 65536"),  # a decode step's [1, 4096]
+    (LAMPORT_MAX_BYTES // 2, torch.bfloat16, "sum", True, LAMPORT, "65536 bytes <= 65536"),
+    (LAMPORT_MAX_BYTES // 4, torch.float32, "sum", True, LAMPORT, "65536 bytes"),
+    (LAMPORT_MAX_BYTES // 2 + 8, torch.bfloat16, "sum", True, ONE_SHOT, "65552 bytes <= 524288"),
+    (4096, torch.bfloat16, "sum", False, ONE_SHOT, "not 16-byte aligned: not Lamport"),
+    (4096, torch.float16, "sum", True, NCCL, "torch.float16"),
+    (4096, torch.bfloat16, "max", True, NCCL, "sum only"),
+    (3, torch.bfloat16, "sum", True, NCCL, "not a multiple of 16"),
+])
+def test_lamport_takes_small_aligned_sums_and_leaves_the_rest(numel, dtype, reduce_op, aligned, kind, why):
+    got, reason = kind_for_call(LAMPORT_CHOICE, reduce_op=reduce_op, dtype=dtype, numel=numel, aligned=aligned)
+    assert got == kind and why in reason, (got, reason)
+
+
+def test_auto_keeps_one_shot_for_what_lamport_would_take():
+    assert kind_for_call(FAST_CHOICE, reduce_op="sum", dtype=torch.bfloat16, numel=4096)[0] == ONE_SHOT
+
+
+def test_a_group_where_lamport_cannot_run_keeps_one_shot_with_the_reason():
+    facts = GroupFacts("cuda", "nccl", 2, 1, True, None, "rank 1: triton cannot be imported (No module named 'triton')")
+    choice = choose_for_group("tp", facts, configured="lamport")
+    assert choice.fast and not choice.lamport
+    assert "Lamport off: rank 1: triton cannot be imported" in choice.reason
+    assert kind_for_call(choice, reduce_op="sum", dtype=torch.bfloat16, numel=4096)[0] == ONE_SHOT
+    nccl_group = choose_for_group("tp", GroupFacts("cuda", "nccl", 2, 2, True, None), configured="lamport")
+    assert nccl_group.kind == NCCL and not nccl_group.lamport and "2 hosts" in nccl_group.reason
+
+
+def test_config_takes_lamport_and_suggests_it_for_a_typo():
+    from cgcompile import Config
+    from cgcompile.errors import ConfigError
+
+    assert Config(all_reduce="lamport").rewrites.all_reduce == "lamport"
+    with pytest.raises(ConfigError, match="lamport"):
+        Config(all_reduce="lamprot")
+
+
+def test_a_later_set_up_asking_for_lamport_is_told_the_group_kept_its_first_choice(caplog):
+    from cgcompile.parallel.distributed import _warn_set_up_before
+
+    with one_gloo_rank(), caplog.at_level("WARNING", logger="cgcompile.parallel.distributed"):
+        _warn_set_up_before(FAST_CHOICE, "auto")
+        _warn_set_up_before(LAMPORT_CHOICE, "lamport")
+        _warn_set_up_before(FAST_CHOICE, "nccl")
+        assert not caplog.records
+        _warn_set_up_before(FAST_CHOICE, "lamport")
+    assert "all_reduce='lamport' asked for group 'tp', which was set up earlier" in caplog.text
 
 
 # -- the rewrite on a Dynamo graph ---------------------------------------------------------

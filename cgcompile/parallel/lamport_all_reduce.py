@@ -1,0 +1,211 @@
+"""A one-shot all-reduce with no barrier, for small messages: every rank writes its input
+into every peer's buffer over NVLink P2P, and each element says by itself whether it has
+arrived (Lamport's trick, as TensorRT-LLM's and vLLM's small-message all-reduces use).
+
+    buffer = LamportBuffer.allocate(group_name, dtype, rank, world_size, device)  # collective, at set-up
+    out = buffer.all_reduce(x)   # x: contiguous, 16-byte aligned, <= LAMPORT_MAX_BYTES
+
+Layout. Each rank owns one symmetric buffer per dtype (outside every graph pool, never
+freed: graphs hold its address and its peers'), of PHASES x world slots of `SLOT` elements;
+slot (phase, src) starts at element (phase * world + src) * SLOT. Outside a call every
+element of every slot holds the SENTINEL, -0.0's bit pattern: set at allocation, and
+restored by the reader after each call.
+
+A call (`lamport_kernel`; per program k, which owns elements [k*BLOCK, (k+1)*BLOCK)):
+
+  1. phase = phases[k], a device counter (below); the input with -0.0 replaced by +0.0, so
+     that data never equals the sentinel, is stored into slot (phase, me) of every peer.
+  2. For each src in rank order, spin with volatile loads on slot (phase, src) of the own
+     buffer until none of the program's elements is the sentinel, then add it in fp32
+     (the own part from registers). Every rank adds the same values in the same order: the
+     results are identical on every rank. A sum of zeros is +0.0 (NCCL's may be -0.0).
+  3. A CTA barrier (every thread has read its elements), then the slots (phase, src != me)
+     of the own buffer back to the sentinel, and phases[k] = (phase + 1) % PHASES.
+
+Why no barrier is needed. Each element is stored once by one writer and read by one
+reader, with natural alignment (2 or 4 bytes): a reader sees the sentinel or the value,
+never a mix, and no element's arrival depends on another's, so no fence orders them. The
+volatile loads (`ld.volatile`: relaxed, system scope) re-read memory on every spin;
+neither L1 nor a register keeps a stale sentinel.
+
+Why a slot is never overwritten early, nor its new data erased by a reset. Number the
+calls that program k runs (every rank runs the same all-reduces on the group in the same
+order, with the same sizes, as tensor parallelism requires: the same programs, the same
+counts). Rank A writes slot (p, A) of rank B in call n, and next in call n + PHASES. A
+starts call n + PHASES only after its call n + PHASES - 1 finished (stream order), which
+needed B's data of that call, which B stores at the start of its call n + PHASES - 1,
+which B starts only after its call n finished, reads and reset included. So B has read
+and reset slot (p, A) before A writes it again: with PHASES >= 2 by this chain (one phase
+is not enough: A's call n + 1 could land on a slot B has not read). We use 3: a whole call
+of B's then lies between B's reset and A's next write, so the chain leans on stream order
+and not on how soon a finished kernel's reset reaches a peer's view of memory; the cost
+is one more slot per rank (64 KiB x world per dtype).
+
+Why the phase lives on the device. A CUDA graph replays fixed arguments, and graphs may be
+replayed in any order (two captured sizes alternating, eager calls between): a phase
+baked in at capture would repeat. Each program index keeps its own counter, read at the
+start of a call and stepped at its end (after the barrier, so no thread of the program
+reads the stepped value), which the next kernel on the stream sees. Counters of program
+indices that a small message does not launch stay put, as do their slots: the argument
+holds per program index. A rank that runs an all-reduce its peers do not (or another
+size) leaves the ranks' phases apart and hangs, as NCCL inside graphs would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+
+from .all_reduce_choice import ALIGNMENT, LAMPORT_MAX_BYTES
+
+log = logging.getLogger(__name__)
+
+PHASES = 3  # >= 2 is required, see the module's argument
+BLOCK = 4096  # elements per program: a [1, 4096] message is one CTA; to be tuned on GPUs
+NUM_WARPS = 8
+MAX_WORLD = 8  # the kernel unrolls its loops over the ranks
+
+# The sentinel is -0.0: for each dtype, the integer type of its width and -0.0's bits in it.
+SENTINEL_BITS = {torch.bfloat16: (torch.int16, -(2**15)), torch.float32: (torch.int32, -(2**31))}
+
+
+@dataclasses.dataclass(frozen=True)
+class LamportLayout:
+    """Where each slot of one rank's buffer lies, in elements of one dtype."""
+
+    world_size: int
+    element_size: int
+    max_bytes: int = LAMPORT_MAX_BYTES
+    phases: int = PHASES
+    block: int = BLOCK
+
+    @property
+    def slot_numel(self) -> int:
+        return self.max_bytes // self.element_size
+
+    @property
+    def numel(self) -> int:  # the whole buffer
+        return self.phases * self.world_size * self.slot_numel
+
+    @property
+    def max_programs(self) -> int:  # one phase counter each
+        return -(-self.slot_numel // self.block)
+
+    def slot_offset(self, phase: int, src: int) -> int:
+        return (phase * self.world_size + src) * self.slot_numel
+
+    def programs(self, numel: int) -> int:
+        assert 0 < numel <= self.slot_numel, numel
+        return -(-numel // self.block)
+
+
+def without_negative_zero(x: torch.Tensor) -> torch.Tensor:
+    """`x` with every -0.0 made +0.0, bit for bit what the kernel publishes (its reference)."""
+    bits_dtype, sentinel = SENTINEL_BITS[x.dtype]
+    bits = x.view(bits_dtype)
+    return torch.where(bits == sentinel, torch.zeros_like(bits), bits).view(x.dtype)
+
+
+def lamport_problem(world_size: int) -> str | None:
+    """Why the Lamport kernel cannot run here (None: it can)."""
+    if world_size > MAX_WORLD:
+        return f"{world_size} ranks; the Lamport kernel takes at most {MAX_WORLD}"
+    try:
+        import triton.language as tl
+    except ImportError as e:
+        return f"triton cannot be imported ({e})"
+    if not hasattr(tl, "pointer_type"):
+        return "this triton has no triton.language.pointer_type (the kernel's peer pointers)"
+    return None
+
+
+class LamportBuffer:
+    """One rank's symmetric buffer for one dtype, the table of every rank's buffer address
+    and the per-program phase counters: everything a graph's Lamport kernels read, made
+    once and kept for the life of the process."""
+
+    def __init__(self, layout: LamportLayout, rank: int, dtype: torch.dtype, buffer: torch.Tensor,
+                 peers: torch.Tensor, handle) -> None:
+        self.layout, self.rank, self.dtype = layout, rank, dtype
+        self.buffer = buffer  # [layout.numel] of SENTINEL_BITS[dtype][0]: symmetric
+        self.peers = peers  # [world] int64: every rank's buffer address, mapped here
+        self.phases = torch.zeros(layout.max_programs, dtype=torch.int32, device=buffer.device)
+        self._handle = handle  # keeps the peers' mappings alive
+        bits_dtype, sentinel = SENTINEL_BITS[dtype]
+        self._constants = dict(RANK=rank, WORLD=layout.world_size, PHASES=layout.phases, SLOT=layout.slot_numel,
+                               BLOCK=layout.block, VEC=ALIGNMENT // layout.element_size,
+                               BITS=_triton_int(bits_dtype), SENTINEL=sentinel, num_warps=NUM_WARPS)
+
+    @classmethod
+    def allocate(cls, group_name: str, dtype: torch.dtype, rank: int, world_size: int,
+                 device: torch.device) -> LamportBuffer:
+        """Allocate, fill with the sentinel and rendezvous (a collective over the group).
+        The caller synchronizes the device and meets every rank before the first call, so
+        that no peer's data lands before this rank's fill."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        layout = LamportLayout(world_size, torch.empty((), dtype=dtype).element_size())
+        bits_dtype, sentinel = SENTINEL_BITS[dtype]
+        buffer = symm_mem.empty(layout.numel, dtype=bits_dtype, device=device)
+        buffer.fill_(sentinel)
+        handle = symm_mem.rendezvous(buffer, group_name)
+        offset = buffer.data_ptr() - handle.buffer_ptrs[rank]  # 0 where the handle gives tensor addresses
+        addresses = [p + offset for p in handle.buffer_ptrs]
+        assert all(a % ALIGNMENT == 0 for a in addresses), addresses  # the kernel's alignment hint
+        peers = torch.tensor(addresses, dtype=torch.int64, device=device)
+        return cls(layout, rank, dtype, buffer, peers, handle)
+
+    def compile(self) -> None:
+        """Compile the kernel without running it: a rank whose compile fails must not leave
+        its peers spinning, and no compile may happen inside a capture."""
+        example = torch.empty(self.layout.block, dtype=self.dtype, device=self.buffer.device)
+        with _current(self.buffer.device):  # Triton compiles for the current device
+            _kernel().warmup(example, example, self.peers, self.phases, self._vectors(example), grid=(1,),
+                             **self._constants)
+
+    def check(self) -> None:
+        """One all-reduce of (rank + 1) over a whole slot on every rank (a collective), against
+        the exact sum, and the own slots back to the sentinel after it; raises where not."""
+        world, (_, sentinel) = self.layout.world_size, SENTINEL_BITS[self.dtype]
+        x = torch.full((self.layout.slot_numel,), float(self.rank + 1), dtype=self.dtype, device=self.buffer.device)
+        got, want = self.all_reduce(x), world * (world + 1) // 2
+        wrong = got[got != want]
+        if wrong.numel():
+            raise RuntimeError(f"expected the Lamport all-reduce's self-check to give {want} everywhere, got "
+                               f"{wrong.numel()} other elements ({wrong[:4].tolist()}...)")
+        if not bool((self.buffer == sentinel).all()):
+            raise RuntimeError("expected every slot back to the sentinel after the Lamport self-check, got some not")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the group, with no barrier (see the module's protocol)."""
+        assert x.dtype == self.dtype and x.is_contiguous() and x.data_ptr() % ALIGNMENT == 0, x
+        out = torch.empty_like(x)
+        grid = (self.layout.programs(x.numel()),)
+        with _current(self.buffer.device):  # Triton launches on the current device
+            _kernel()[grid](x, out, self.peers, self.phases, self._vectors(x), **self._constants)
+        return out
+
+    def _vectors(self, x: torch.Tensor) -> int:
+        nbytes = x.numel() * self.layout.element_size
+        assert nbytes % ALIGNMENT == 0, nbytes  # kind_for_call sends no other size here
+        return nbytes // ALIGNMENT
+
+
+def _current(device: torch.device):
+    """`device` made current; nothing for CPU tensors (Triton's interpreter, in tests)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _kernel():
+    from .lamport_kernel import lamport_all_reduce_kernel
+
+    return lamport_all_reduce_kernel
+
+
+def _triton_int(dtype: torch.dtype):
+    import triton.language as tl
+
+    return {torch.int16: tl.int16, torch.int32: tl.int32}[dtype]
