@@ -6,10 +6,10 @@ against the fast path with the Lamport kernel.
 For each size [rows, hidden] bf16 and each path, `--per-graph` all-reduces are captured
 in one CUDA graph (as a decode step's pieces hold them) and the graph is replayed; the time
 per all-reduce is the median replay over `--per-graph`. "fast" is the op the graph rewrite
-inserts, `cgcompile::all_reduce` (one-shot, two-shot or NCCL by size, see
-`cgcompile.parallel.all_reduce_choice`) on a group set up with all_reduce="auto"; "lamport"
-is the same op on a second group over the same ranks set up with all_reduce="lamport"
-(`cgcompile.parallel.lamport_all_reduce` up to 64 KiB, the fast path's choice above);
+inserts, `cgcompile::all_reduce`, on a group set up with all_reduce="symm_mem" (torch's
+one-shot, two-shot or NCCL by size, see `cgcompile.parallel.all_reduce_choice`); "lamport"
+is the same op on a second group over the same ranks set up with all_reduce="auto", the
+default (`cgcompile.parallel.lamport_all_reduce` up to 64 KiB, then as "fast");
 "nccl" is `funcol.all_reduce` + wait, what the model's collective is without the rewrite.
 Each rank checks that every path sums like NCCL, bit for bit. NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1).
@@ -80,11 +80,11 @@ def us_per_all_reduce(path, x, group_name, args) -> float:
 
 
 def set_up_groups(device):
-    """The default group with the fast path as "auto" sets it up, and a second group over the
-    same ranks with the Lamport kernel (a group's choice is made once)."""
-    prepare_collectives(device)
+    """The default group with torch's kernels only ("symm_mem"), and a second group over the
+    same ranks as "auto" sets it up, with the Lamport kernel (a group's choice is made once)."""
+    prepare_collectives(device, all_reduce="symm_mem")
     lamport_group = dist.new_group(list(range(dist.get_world_size())))
-    prepare_collectives(device, lamport_group, all_reduce="lamport")
+    prepare_collectives(device, lamport_group, all_reduce="auto")
     return {"fast": setup_all_reduce(device), "lamport": setup_all_reduce(device, lamport_group)}
 
 

@@ -99,7 +99,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--tiny", action="store_true", help="smoke test: tiny model, fp32, 3 steps")
-    p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl", "lamport"], help="Config.all_reduce")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "symm_mem", "nccl"], help="Config.all_reduce")
     p.add_argument("--matvec-as-reduction", action="store_true",
                    help="on CUDA, every compiled variant with Config(matvec_as_reduction=True) and Inductor's "
                         "coordinate-descent tuning: one-row linears as reductions (docs/performance.md)")

@@ -426,15 +426,15 @@ class Rewrites(_Group):
         the parameters on every call (`cgcompile.run.fused_weights`; a write through `param.data` to
         such a parameter is not seen: call `Backend.refresh_fused_weights()`). For inference: with
         grad on, parameters that require grad are left out.""")
-    all_reduce: str = option("auto", _choice("auto", "nccl", "lamport"), doc="""
+    all_reduce: str = option("auto", _choice("auto", "symm_mem", "nccl"), doc="""
         Which all-reduce a sum over a functional collective gets in a graph on CUDA: "auto" routes
-        it to torch symmetric memory's one-shot or two-shot kernel where its process group allows
-        (NCCL ranks on one host with P2P; small messages), NCCL elsewhere (see
-        `cgcompile.parallel.fast_all_reduce` and docs/parallel.md); "nccl" keeps the model's
-        collectives as they are; "lamport" is "auto" plus cgcompile's barrier-free Triton kernel
-        for messages up to 64 KiB (`cgcompile.parallel.lamport_all_reduce`; needs Triton; opt-in
-        until measured). A group's choice is made at its first set-up: to be sure, call
-        `prepare_collectives(device, group, all_reduce="lamport")` before compiling.""")
+        it, where its process group allows (NCCL ranks on one host with P2P), to cgcompile's
+        barrier-free Lamport kernel up to 64 KiB (Triton; `cgcompile.parallel.lamport_all_reduce`),
+        then torch symmetric memory's one-shot and two-shot kernels, and NCCL for large messages
+        and elsewhere (see `cgcompile.parallel.fast_all_reduce` and docs/parallel.md); "symm_mem"
+        is the same without the Lamport kernel; "nccl" keeps the model's collectives as they are.
+        A group's choice is made at its first set-up: to be sure, call
+        `prepare_collectives(device, group, all_reduce=...)` before compiling.""")
 
 
 @_group

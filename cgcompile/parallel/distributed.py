@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..run.capture import release_all_graphs
 from ..errors import DistributedError, expect
-from .all_reduce_choice import LAMPORT, NCCL, AllReduceChoice, GroupFacts, choose_for_group
+from .all_reduce_choice import AUTO, NCCL, AllReduceChoice, GroupFacts, choose_for_group
 from .lamport_all_reduce import lamport_problem
 from .symm_all_reduce import GROUPS, FastGroup, allocate_buffers, allocate_lamport, symm_mem_problem
 
@@ -90,8 +90,8 @@ def collectives_capturable(group, device: torch.device) -> bool:
 
 def prepare_collectives(device: torch.device | str, group=None, *, all_reduce: str = "auto") -> None:
     """Run one all-reduce on `device` so the group's communicator exists before any capture,
-    and choose the group's all-reduce (`setup_all_reduce`; `all_reduce="nccl"` keeps NCCL,
-    `all_reduce="lamport"` adds the Lamport kernel for small messages).
+    and choose the group's all-reduce (`setup_all_reduce`; `all_reduce` as `Config.all_reduce`:
+    "auto", "symm_mem" without the Lamport kernel, or "nccl").
 
     Call it once on every rank after `init_process_group` and before the first compiled
     call (`cgcompile.parallel.pipeline.PipelineStage.connect` calls it). With CUDA graphs a lazily
@@ -124,7 +124,7 @@ def setup_all_reduce(device: torch.device | str, group=None, *, configured: str 
         _warn_set_up_before(known.choice, configured)
         return known.choice
     device = torch.device(device)
-    facts = gather_facts(group, device, lamport=configured == LAMPORT)
+    facts = gather_facts(group, device, lamport=configured == AUTO)
     choice = choose_for_group(group.group_name, facts, configured=configured)
     buffers, lamport = {}, {}
     if choice.fast:
@@ -137,10 +137,9 @@ def setup_all_reduce(device: torch.device | str, group=None, *, configured: str 
 
 
 def _warn_set_up_before(choice: AllReduceChoice, configured: str) -> None:
-    """A group is set up once: say so where a later set-up asks for the Lamport kernel and the
-    group has none (or the reverse), rather than quietly keeping the first choice."""
-    asked = configured == LAMPORT
-    if configured != NCCL and choice.fast and asked != choice.lamport:
+    """A group is set up once: say so where a later set-up asks for another fast path than the
+    group's first set-up did (the Lamport kernel or not), rather than quietly keeping it."""
+    if configured != NCCL and choice.fast and configured != choice.configured:
         _warn_once(choice.group_name, configured, str(choice))
 
 
@@ -193,7 +192,7 @@ def _allocate_or_fall_back(choice: AllReduceChoice, group, device: torch.device)
     log.warning("cgcompile: %s: symmetric memory for group %r failed (%s); its all-reduces use NCCL",
                 rank_name(), choice.group_name, "; ".join(failed))
     reason = f"symmetric buffers could not be made ({failed[0]})"
-    return AllReduceChoice(choice.group_name, NCCL, reason, choice.world_size), {}
+    return AllReduceChoice(choice.group_name, NCCL, reason, choice.world_size, configured=choice.configured), {}
 
 
 def _lamport_or_fall_back(choice: AllReduceChoice, group, device: torch.device):

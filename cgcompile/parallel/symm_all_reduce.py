@@ -6,7 +6,7 @@ and this process's record of every group's choice.
 
 Per call (at capture: a replay runs no Python) the op picks one-shot, two-shot or NCCL by
 `all_reduce_choice.kind_for_call`; a group with no fast path (or none set up) gets NCCL. A
-group set up with `configured="lamport"` also holds one `lamport_all_reduce.LamportBuffer`
+group set up with `configured="auto"` (and Triton) also holds one `lamport_all_reduce.LamportBuffer`
 per dtype (its own symmetric buffer, under the same contract) for the smallest messages.
 
 Buffer contract. A group with the fast path owns one symmetric buffer per dtype,

@@ -1,9 +1,9 @@
 """The Lamport all-reduce on 2 GPUs (run by tests/parallel/test_lamport_all_reduce.py under
 torchrun, whose time limit turns a deadlock into a failure): the group set up with
-all_reduce="lamport" gets the kernel; eager calls, messages of -0.0, one CUDA graph of 64
+all_reduce="auto" (the default) gets the kernel; eager calls, messages of -0.0, one CUDA graph of 64
 all-reduces replayed with new data, and two graphs replayed in alternating orders with
 eager calls between (the phase hazard: phases live on the device) all equal NCCL's sums;
-so do compiled pieces under Config(all_reduce="lamport")."""
+so do compiled pieces under the default Config."""
 
 import os
 import sys
@@ -52,7 +52,7 @@ def calls(kind) -> int:
 
 
 def lamport_chosen(device):
-    prepare_collectives(device, all_reduce="lamport")
+    prepare_collectives(device, all_reduce="auto")
     choice = setup_all_reduce(device)
     assert choice.lamport, f"expected the Lamport kernel on 2 GPUs of one host with triton, got {choice}"
     assert set(GROUPS.get(group_name()).lamport) == set(choice.dtypes)
@@ -145,7 +145,7 @@ def reduce_layer(x):  # x: [T, 4096] bf16
 
 def compiled_pieces_equal_nccl(device):
     torch._dynamo.reset()
-    config = cgcompile.Config(capture_sizes=(1, 8), capture_error_mode="thread_local", all_reduce="lamport")
+    config = cgcompile.Config(capture_sizes=(1, 8), capture_error_mode="thread_local")
     backend = cgcompile.Backend(config)
     compiled = torch.compile(reduce_layer, backend=backend)
     before = calls(LAMPORT)

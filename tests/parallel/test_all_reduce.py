@@ -52,7 +52,7 @@ def test_nccl_ranks_on_one_host_with_p2p_get_symmetric_memory():
 
 # -- the choice per call -------------------------------------------------------------------
 
-FAST_CHOICE = choose_for_group("tp", GOOD)
+FAST_CHOICE = choose_for_group("tp", GOOD, configured="symm_mem")  # torch's kernels (the Lamport kernel: below)
 
 
 @pytest.mark.parametrize("rows, dtype, reduce_op, kind, why", [
@@ -82,15 +82,18 @@ def test_a_group_on_nccl_sends_every_call_to_nccl():
     assert kind_for_call(choice, reduce_op="sum", dtype=torch.bfloat16, numel=4096) == (NCCL, choice.reason)
 
 
-# -- the Lamport kernel, opt-in ------------------------------------------------------------
+# -- the Lamport kernel, part of "auto" ----------------------------------------------------
 
-LAMPORT_CHOICE = choose_for_group("tp", GOOD, configured="lamport")
+LAMPORT_CHOICE = choose_for_group("tp", GOOD, configured="auto")
+TORCH_KERNELS_CHOICE = choose_for_group("tp", GOOD, configured="symm_mem")
 
 
-def test_lamport_is_opt_in_and_says_so():
-    assert not FAST_CHOICE.lamport and FAST_CHOICE.lamport_max_bytes == 0  # "auto" unchanged
+def test_auto_takes_lamport_and_symm_mem_leaves_it_out_and_says_so():
     assert LAMPORT_CHOICE.kind == FAST and LAMPORT_CHOICE.lamport
-    assert "Lamport up to 64 KiB (Config.all_reduce='lamport'), then one-shot up to 512 KiB" in str(LAMPORT_CHOICE)
+    assert "Lamport up to 64 KiB, then one-shot up to 512 KiB" in str(LAMPORT_CHOICE)
+    assert TORCH_KERNELS_CHOICE.kind == FAST and not TORCH_KERNELS_CHOICE.lamport
+    assert TORCH_KERNELS_CHOICE.lamport_max_bytes == 0
+    assert "no Lamport kernel (Config.all_reduce='symm_mem')" in str(TORCH_KERNELS_CHOICE)
 
 
 @pytest.mark.parametrize("numel, dtype, reduce_op, aligned, kind, why", [
@@ -108,39 +111,39 @@ def test_lamport_takes_small_aligned_sums_and_leaves_the_rest(numel, dtype, redu
     assert got == kind and why in reason, (got, reason)
 
 
-def test_auto_keeps_one_shot_for_what_lamport_would_take():
-    assert kind_for_call(FAST_CHOICE, reduce_op="sum", dtype=torch.bfloat16, numel=4096)[0] == ONE_SHOT
+def test_symm_mem_keeps_one_shot_for_what_lamport_would_take():
+    assert kind_for_call(TORCH_KERNELS_CHOICE, reduce_op="sum", dtype=torch.bfloat16, numel=4096)[0] == ONE_SHOT
 
 
 def test_a_group_where_lamport_cannot_run_keeps_one_shot_with_the_reason():
     facts = GroupFacts("cuda", "nccl", 2, 1, True, None, "rank 1: triton cannot be imported (No module named 'triton')")
-    choice = choose_for_group("tp", facts, configured="lamport")
+    choice = choose_for_group("tp", facts, configured="auto")
     assert choice.fast and not choice.lamport
     assert "Lamport off: rank 1: triton cannot be imported" in choice.reason
     assert kind_for_call(choice, reduce_op="sum", dtype=torch.bfloat16, numel=4096)[0] == ONE_SHOT
-    nccl_group = choose_for_group("tp", GroupFacts("cuda", "nccl", 2, 2, True, None), configured="lamport")
+    nccl_group = choose_for_group("tp", GroupFacts("cuda", "nccl", 2, 2, True, None), configured="auto")
     assert nccl_group.kind == NCCL and not nccl_group.lamport and "2 hosts" in nccl_group.reason
 
 
-def test_config_takes_lamport_and_suggests_it_for_a_typo():
+def test_config_takes_symm_mem_and_suggests_it_for_a_typo():
     from cgcompile import Config
     from cgcompile.errors import ConfigError
 
-    assert Config(all_reduce="lamport").rewrites.all_reduce == "lamport"
-    with pytest.raises(ConfigError, match="lamport"):
-        Config(all_reduce="lamprot")
+    assert Config(all_reduce="symm_mem").rewrites.all_reduce == "symm_mem"
+    with pytest.raises(ConfigError, match="symm_mem"):
+        Config(all_reduce="symm_men")
 
 
-def test_a_later_set_up_asking_for_lamport_is_told_the_group_kept_its_first_choice(caplog):
+def test_a_later_set_up_asking_for_another_fast_path_is_told_the_group_kept_its_first_choice(caplog):
     from cgcompile.parallel.distributed import _warn_set_up_before
 
     with one_gloo_rank(), caplog.at_level("WARNING", logger="cgcompile.parallel.distributed"):
-        _warn_set_up_before(FAST_CHOICE, "auto")
-        _warn_set_up_before(LAMPORT_CHOICE, "lamport")
-        _warn_set_up_before(FAST_CHOICE, "nccl")
+        _warn_set_up_before(LAMPORT_CHOICE, "auto")
+        _warn_set_up_before(TORCH_KERNELS_CHOICE, "symm_mem")
+        _warn_set_up_before(LAMPORT_CHOICE, "nccl")
         assert not caplog.records
-        _warn_set_up_before(FAST_CHOICE, "lamport")
-    assert "all_reduce='lamport' asked for group 'tp', which was set up earlier" in caplog.text
+        _warn_set_up_before(LAMPORT_CHOICE, "symm_mem")
+    assert "all_reduce='symm_mem' asked for group 'tp', which was set up earlier" in caplog.text
 
 
 # -- the rewrite on a Dynamo graph ---------------------------------------------------------
