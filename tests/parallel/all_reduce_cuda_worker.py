@@ -1,6 +1,6 @@
 """The fast all-reduce on 2 GPUs over NCCL (run by tests/parallel/test_all_reduce.py under
 torchrun): the group gets symmetric memory; all-reduces routed into captured pieces equal
-NCCL's at one-shot, two-shot and over-threshold sizes, replay after replay; a compiled
+NCCL's at Lamport, one-shot, two-shot and over-threshold sizes, replay after replay; a compiled
 tensor-parallel decoder gives the same logits with the fast path as with NCCL; a DTensor
 MLP (`parallelize_module`) has its all-reduce routed inside Inductor's aten graph, captured,
 equal to eager."""
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
 
 import cgcompile  # noqa: E402
-from cgcompile.parallel.all_reduce_choice import FAST, NCCL, ONE_SHOT, TWO_SHOT, TWO_SHOT_MAX_BYTES  # noqa: E402
+from cgcompile.parallel.all_reduce_choice import FAST, LAMPORT, NCCL, ONE_SHOT, TWO_SHOT, TWO_SHOT_MAX_BYTES  # noqa: E402
 from cgcompile.parallel.distributed import prepare_collectives, setup_all_reduce, torchrun_worker  # noqa: E402
 from cgcompile.parallel.fast_all_reduce import all_reduce_report  # noqa: E402
 from cgcompile.testing.parallel_model import TensorParallelDecoder, seeded_llama  # noqa: E402
@@ -28,7 +28,7 @@ from cgcompile.testing.parallel_model import TensorParallelDecoder, seeded_llama
 HIDDEN = 4096
 # [1, 4096] and [8, 4096] bf16 go one-shot, [256, 4096] (2 MiB) two-shot, and one row past
 # the symmetric buffer (8 MiB) NCCL.
-SIZES = (1, 8, 256, TWO_SHOT_MAX_BYTES // (2 * HIDDEN) + 8)
+SIZES = (1, 8, 64, 256, TWO_SHOT_MAX_BYTES // (2 * HIDDEN) + 8)  # Lamport, Lamport, one-shot, two-shot, NCCL
 
 
 def fast_path_chosen(device):
@@ -63,7 +63,7 @@ def captured_sizes_equal_nccl(device):
     assert all(p.capturable for p in backend.pieces), [p.reason for p in backend.pieces]
     assert any("cgcompile.all_reduce" in p.graph.code for p in backend.pieces), "the all-reduce was not routed"
     calls = all_reduce_report().calls[dist.group.WORLD.group_name]
-    assert calls.get(ONE_SHOT) and calls.get(TWO_SHOT) and calls.get(NCCL), calls
+    assert calls.get(LAMPORT) and calls.get(ONE_SHOT) and calls.get(TWO_SHOT) and calls.get(NCCL), calls
     return "captured sizes equal nccl"
 
 
