@@ -7,6 +7,7 @@ run under torchrun by tests/parallel/test_distributed.py instead.
 """
 
 import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -82,9 +83,21 @@ def plain_decode_loop_gives_generates_tokens(lines: list[str]) -> None:
     assert lines[-1] == "tokens match generate(): True", lines
 
 
+def hf_generate_eager_pieces_make_two_graphs_labelled_prefill_and_decode(lines: list[str]) -> None:
+    """examples/hf_generate.py with eager pieces on the CPU (its Inductor run, with a third graph
+    and the reason for it, is tests/test_hf_generate_example.py's)."""
+    out = "\n".join(lines)
+    assert int(re.search(r"graphs_seen=(\d+)", out).group(1)) == 2, out
+    graphs = [line.split(":")[0] for line in lines if re.match(r"graph \d+ \(", line)]
+    assert graphs == ["graph 0 (prefill)", "graph 1 (every decode step)"], out
+    assert "pieces of graph 1 (every decode step):" in out
+    assert "stride guard" not in out
+
+
 # What an example's smoke run (its default arguments, or EXAMPLE_ARGS) prints, checked on
 # that run (one run each): (check, whether only a run without CUDA says it).
 OUTPUT_CHECKS = {
+    "hf_generate.py": [(hf_generate_eager_pieces_make_two_graphs_labelled_prefill_and_decode, True)],
     "toy_llama.py": [(toy_llama_prints_the_split, False)],
     "vision_encoder.py": [(vision_encoder_on_cpu_claims_no_captures, True)],
     "hf_static_generate.py": [(hf_static_generate_on_cpu_names_full_graph_calls_without_graphs, True)],
@@ -93,7 +106,8 @@ OUTPUT_CHECKS = {
 
 
 # Arguments of an example's smoke run, where not its defaults.
-EXAMPLE_ARGS = {"toy_llama.py": ("--layers", "2")}
+EXAMPLE_ARGS = {"toy_llama.py": ("--layers", "2"),
+                "hf_generate.py": ("--layers", "1", "--hidden", "64", "--prompt-len", "4", "--new-tokens", "4")}
 
 
 def test_output_checks_name_examples():
