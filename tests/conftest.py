@@ -45,3 +45,22 @@ def exact_fp32_matmuls():
 
     with numerics.exact_fp32_matmuls():
         yield
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    """`bench_main("decode_bench", argv)` runs benchmarks/decode_bench.py's `main(argv)` in this
+    process, as `python benchmarks/decode_bench.py ...` would, and returns what it returns (the
+    script's exit status). A subprocess would spend most of its time importing torch again. The
+    torch settings a benchmark sets for its run (threads, Dynamo's recompile limit, TF32) are
+    put back afterwards."""
+    import importlib
+    import pathlib
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    threads, recompile_limit = torch.get_num_threads(), torch._dynamo.config.recompile_limit
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    yield lambda name, argv: importlib.import_module(name).main(list(argv))
+    torch.set_num_threads(threads)
+    torch._dynamo.config.recompile_limit = recompile_limit
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -1,19 +1,14 @@
 """benchmarks/decode_bench.py runs on CPU (--tiny): every row, its checks against eager, the targets."""
 
 import json
-import pathlib
-import subprocess
-import sys
 
-BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "decode_bench.py"
 VARIANTS = ("eager", "cgcompile-eager", "breakable", "peer-breakable")
 
 
-def test_decode_bench_smoke_on_cpu(tmp_path):
+def test_decode_bench_smoke_on_cpu(tmp_path, bench_main):
     out = tmp_path / "decode_bench.json"
-    command = [sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--variants", ",".join(VARIANTS), "--out", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    argv = ["--device", "cpu", "--tiny", "--variants", ",".join(VARIANTS), "--out", str(out)]
+    assert bench_main("decode_bench", argv) == 0
     model = json.loads(out.read_text())["models"]["tiny"]
     rows = model["variants"]
     assert list(rows) == list(VARIANTS)
@@ -29,13 +24,11 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     assert issue4[2]["passed"] is None  # the capture-time target is for the 1b model, on CUDA
 
 
-def test_host_probe_splits_a_step_into_parts_on_cpu(tmp_path):
+def test_host_probe_splits_a_step_into_parts_on_cpu(tmp_path, bench_main):
     out = tmp_path / "host_probe.json"
-    probe = BENCH.parent / "host_probe.py"
-    command = [sys.executable, str(probe), "--device", "cpu", "--model", "tiny", "--dtype", "fp32",
-               "--variants", "cgcompile-eager", "--batches", "1,3", "--steps", "3", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=BENCH.parent)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    argv = ["--device", "cpu", "--model", "tiny", "--dtype", "fp32", "--variants", "cgcompile-eager", "--batches", "1,3",
+            "--steps", "3", "--json", str(out)]
+    assert bench_main("host_probe", argv) == 0
     cases = json.loads(out.read_text())["cases"]
     assert [(c["variant"], c["batch"]) for c in cases] == [("cgcompile-eager", 1), ("cgcompile-eager", 3)]
     for case in cases:

@@ -2,19 +2,12 @@
 harness, outputs checked against eager, the JSON with its environment."""
 
 import json
-import pathlib
-import subprocess
-import sys
-
-BENCH = pathlib.Path(__file__).parent.parent / "benchmarks" / "encoder_bench.py"
 
 
-def test_encoder_bench_smoke_on_cpu(tmp_path):
+def test_encoder_bench_smoke_on_cpu(tmp_path, bench_main):
     out = tmp_path / "encoder.json"
-    command = [sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--parts", "throughput",
-               "--rounds", "2", "--iters", "2", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    argv = ["--device", "cpu", "--tiny", "--parts", "throughput", "--rounds", "2", "--iters", "2", "--json", str(out)]
+    assert bench_main("encoder_bench", argv) == 0
     report = json.loads(out.read_text())
     assert report["environment"]["torch"]
     rows = [row for row in report["rows"] if row["part"] == "throughput"]

@@ -6,13 +6,16 @@ An example that runs on several ranks says `# cgcompile-example: needs-torchrun`
 run under torchrun by tests/parallel/test_distributed.py instead.
 """
 
-import os
 import pathlib
+import re
+import runpy
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from cgcompile.errors import DistributedError
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 NEEDS_CUDA = "# cgcompile-example: needs-cuda"
@@ -25,7 +28,8 @@ def test_example_runs(example):
         pytest.skip(f"{example.name} runs on 2 ranks: tests/parallel/test_distributed.py runs it under torchrun")
     if NEEDS_CUDA in example.read_text().splitlines() and not torch.cuda.is_available():
         pytest.skip(f"{example.name} needs a CUDA GPU; torch.cuda.is_available() is False")
-    result = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, str(example), *EXAMPLE_ARGS.get(example.name, ())], capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip(), f"{example.name} printed nothing"
     for check, cpu_only in OUTPUT_CHECKS.get(example.name, ()):
@@ -37,20 +41,22 @@ PARALLEL_EXAMPLES = [e for e in EXAMPLES if NEEDS_TORCHRUN in e.read_text().spli
 
 
 @pytest.mark.parametrize("example", PARALLEL_EXAMPLES, ids=lambda p: p.name)
-def test_parallel_example_without_torchrun_says_how_to_run_it(example):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, str(example), "--device", "cpu"], capture_output=True, text=True,
-                            timeout=300, env=env)
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode != 0 and "DistributedError: torchrun_worker: expected the environment torchrun" in last
-    assert "torchrun --nproc-per-node 2 " in last and f"{example.name} --device cpu" in last, last
+def test_parallel_example_without_torchrun_says_how_to_run_it(example, monkeypatch):
+    """Run in this process (runpy), as `python <example> --device cpu` would: the example's first
+    step is `torchrun_worker`, and a subprocess would spend its time importing torch."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "argv", [str(example), "--device", "cpu"])
+    with pytest.raises(DistributedError) as raised:
+        runpy.run_path(str(example), run_name="__main__")
+    message = str(raised.value)
+    assert message.startswith("torchrun_worker: expected the environment torchrun"), message
+    assert "torchrun --nproc-per-node 2 " in message and f"{example.name} --device cpu" in message, message
+    assert not torch.distributed.is_initialized()
 
 
-def test_toy_llama_example_prints_the_split():
-    example = EXAMPLES[0].parent / "toy_llama.py"
-    result = subprocess.run([sys.executable, str(example), "--layers", "2"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = result.stdout.splitlines()
+def toy_llama_prints_the_split(lines: list[str]) -> None:
+    """examples/toy_llama.py at --layers 2 (EXAMPLE_ARGS): the piece table, and the summary."""
     assert lines[1].split() == ["piece", "capturable", "nodes", "inputs", "reason"]
     assert [line.split()[1] for line in lines[2:7]] == ["yes", "no", "yes", "no", "yes"]
     assert lines[-1] == "2 layers: 5 pieces, 3 capturable; outputs match eager"
@@ -77,14 +83,32 @@ def plain_decode_loop_gives_generates_tokens(lines: list[str]) -> None:
     assert lines[-1] == "tokens match generate(): True", lines
 
 
-# What an example's run with its default arguments prints, checked on the smoke test's own
-# run (one run each): (check, whether only a run without CUDA says it).
+def hf_generate_eager_pieces_make_two_graphs_labelled_prefill_and_decode(lines: list[str]) -> None:
+    """examples/hf_generate.py with eager pieces on the CPU (its Inductor run, with a third graph
+    and the reason for it, is tests/test_hf_generate_example.py's)."""
+    out = "\n".join(lines)
+    assert int(re.search(r"graphs_seen=(\d+)", out).group(1)) == 2, out
+    graphs = [line.split(":")[0] for line in lines if re.match(r"graph \d+ \(", line)]
+    assert graphs == ["graph 0 (prefill)", "graph 1 (every decode step)"], out
+    assert "pieces of graph 1 (every decode step):" in out
+    assert "stride guard" not in out
+
+
+# What an example's smoke run (its default arguments, or EXAMPLE_ARGS) prints, checked on
+# that run (one run each): (check, whether only a run without CUDA says it).
 OUTPUT_CHECKS = {
+    "hf_generate.py": [(hf_generate_eager_pieces_make_two_graphs_labelled_prefill_and_decode, True)],
+    "toy_llama.py": [(toy_llama_prints_the_split, False)],
     "vision_encoder.py": [(vision_encoder_on_cpu_claims_no_captures, True)],
     "hf_static_generate.py": [(hf_static_generate_on_cpu_names_full_graph_calls_without_graphs, True)],
     "hf_decode_loop.py": [(plain_decode_loop_gives_generates_tokens, False)],
 }
 
 
+# Arguments of an example's smoke run, where not its defaults.
+EXAMPLE_ARGS = {"toy_llama.py": ("--layers", "2"),
+                "hf_generate.py": ("--layers", "1", "--hidden", "64", "--prompt-len", "4", "--new-tokens", "4")}
+
+
 def test_output_checks_name_examples():
-    assert set(OUTPUT_CHECKS) <= {e.name for e in EXAMPLES}
+    assert set(OUTPUT_CHECKS) | set(EXAMPLE_ARGS) <= {e.name for e in EXAMPLES}

@@ -26,11 +26,8 @@ graph 2 serves every later step. (On CUDA it is two graphs: see the CUDA tests b
 import importlib
 import json
 import math
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -228,11 +225,9 @@ def test_new_prompt_length_adds_one_graph(config, prefill_split):
     assert (len(prefill), sum(p.capturable for p in prefill)) == prefill_split
 
 
-def test_benchmark_smoke_on_cpu(tmp_path):
-    bench = pathlib.Path(__file__).parent.parent / "benchmarks" / "hf_bench.py"
-    command = [sys.executable, str(bench), "--tiny", "--device", "cpu", "--batches", "1,2"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-4000:]
+def test_benchmark_smoke_on_cpu(tmp_path, bench_main, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench_main("hf_bench", ["--tiny", "--device", "cpu", "--batches", "1,2"]) is None  # raises on failure
     rows = json.loads((tmp_path / "hf_bench.json").read_text())["rows"]
     assert [(r["variant"], r["batch"]) for r in rows] == [(v, b) for b in (1, 2) for v in ("eager", "cgcompile", "static")]
     for row in rows:
@@ -249,13 +244,12 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     assert all(r["cgcompile_stats"]["graphs_seen"] == 2 for r in cgcompile_rows)
 
 
-def test_benchmark_greedy_loop_smoke_on_cpu(tmp_path):
+def test_benchmark_greedy_loop_smoke_on_cpu(tmp_path, bench_main, monkeypatch):
     """--loop: the hand-written greedy loop (no generate()) gives eager's tokens on every path."""
-    bench = pathlib.Path(__file__).parent.parent / "benchmarks" / "hf_bench.py"
-    command = [sys.executable, str(bench), "--tiny", "--device", "cpu", "--loop", "--batches", "2",
-               "--variants", "eager,cgcompile,breakable", "--rounds", "1", "--long-tokens", "8"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
-    assert result.returncode == 0, result.stderr[-4000:]
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--device", "cpu", "--loop", "--batches", "2", "--variants", "eager,cgcompile,breakable",
+            "--rounds", "1", "--long-tokens", "8"]
+    assert bench_main("hf_bench", argv) is None  # raises on failure
     report = json.loads((tmp_path / "hf_bench.json").read_text())
     rows = {r["variant"]: r for r in report["rows"]}
     assert all(r["error"] is None for r in rows.values()), [r["error"] for r in rows.values()]

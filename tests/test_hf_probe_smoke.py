@@ -3,21 +3,18 @@
 import importlib
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
 PROBE = pathlib.Path(__file__).parent.parent / "benchmarks" / "hf_probe.py"
 
 
-def test_hf_probe_smoke_on_cpu(tmp_path):
+def test_hf_probe_smoke_on_cpu(tmp_path, bench_main):
     pytest.importorskip("transformers")
     out = tmp_path / "hf_probe.json"
-    command = [sys.executable, str(PROBE), "--device", "cpu", "--model", "tiny", "--batches", "1", "--steps", "3",
-               "--new-tokens", "4", "--dtype", "fp32", "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    argv = ["--device", "cpu", "--model", "tiny", "--batches", "1", "--steps", "3", "--new-tokens", "4", "--dtype", "fp32",
+            "--json", str(out)]
+    assert bench_main("hf_probe", argv) == 0
     report = json.loads(out.read_text())
     (case,) = report["cases"]
     assert case["variant"] == "hf-plain-loop" and case["step_plain_us"] > 0
