@@ -96,7 +96,11 @@ class ScalarInputs:
     analysis: GraphAnalysis
     example_inputs: list
     buffer: DeviceScalarBuffer | None = None
-    inputs: tuple[int, ...] = ()  # the SymInt inputs read from the buffer
+
+    @property
+    def inputs(self) -> tuple[int, ...]:
+        """The SymInt inputs read from the buffer."""
+        return () if self.buffer is None else self.buffer.inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +258,7 @@ def scalars_from_device(index: int, gm: torch.fx.GraphModule, example_inputs: li
     log.info("cgcompile: graph %d reads %d host ints from a device buffer written before every call: %s", index,
              len(found.inputs), [names[i] for i in found.inputs])
     analysis = dataclasses.replace(analysis, static_inputs=analysis.static_inputs | {names[-1]})  # the buffer, last
-    return ScalarInputs(gm, analysis, [*example_inputs, values], DeviceScalarBuffer(found, gm, values), found.inputs)
+    return ScalarInputs(gm, analysis, [*example_inputs, values], DeviceScalarBuffer(found, gm, values))
 
 
 def _static_buffer(k: int, device: torch.device) -> torch.Tensor:
@@ -280,11 +284,12 @@ def split_pieces(gm: torch.fx.GraphModule, analysis: GraphAnalysis, config: Conf
                  uncapturable: UncapturableOps) -> SplitGraph:
     # Rewrites before classifying: their new nodes are classified like any other.
     hoist_mask_conversion(gm)
-    if analysis.device.type == "cuda":  # literal host data: copied to the device once, not per call
+    if analysis.device.type == "cuda":
+        # Literal host data: copied to the device once, not per call.
         made = hoist_host_constants(gm, _build_real)
         if made:
             log.info("cgcompile: %d tensors of literal host data made once, as constants of the graph", made)
-    if analysis.device.type == "cuda":  # each all-reduce gets its group's path (docs/parallel.md)
+        # Each all-reduce gets its group's path (docs/parallel.md).
         route_graph_all_reduces(gm, analysis.device, configured=config.rewrites.all_reduce)
     if config.rewrites.fold_grouped_query:
         fold_grouped_query_attention(gm)

@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).parents[2]
 # NVLink multicast stays off in every multi-GPU program (it can take a shared host's GPUs down).
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs 2 CUDA GPUs")
 
 
 def torchrun(script: pathlib.Path, *args: str, timeout: int = 120, nproc: int = 2) -> str:

@@ -22,7 +22,7 @@ from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route
 from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, all_reduce_pass
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.fast_all_reduce import find_all_reduces, op_name, route_all_reduces
-from parallel_launch import ROOT, torchrun
+from parallel_launch import ROOT, torchrun, two_gpus
 
 GOOD = GroupFacts("cuda", "nccl", 2, 1, True, None)
 
@@ -281,10 +281,6 @@ def test_on_two_gloo_ranks_everything_falls_back_and_equals_eager():
         assert f"rank {rank}: gloo falls back: ok" in out, out
         assert f"rank {rank}: routed op equals eager: ok" in out, out
         assert f"rank {rank}: dtensor all-reduce routed inside inductor: ok" in out, out
-
-
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs")
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ from cgcompile.run.capture import CaptureSession
 from cgcompile.errors import DistributedError
 from cgcompile.parallel.distributed import torchrun_worker
 from cgcompile.parallel.pipeline import PipelineStage, TensorSpec, ring_schedule, stage_layers
-from parallel_launch import ROOT, torchrun
+from parallel_launch import ROOT, torchrun, two_gpus
 
 
 # -- 2 processes over gloo -----------------------------------------------------------------
@@ -161,10 +161,6 @@ def test_torchrun_worker_without_torchrun_says_how_to_run(monkeypatch):
 
 
 # -- 2 GPUs, NCCL, CUDA graphs ---------------------------------------------------------------
-
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs")
-
 
 @pytest.mark.cuda
 @two_gpus

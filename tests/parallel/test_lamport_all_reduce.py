@@ -14,7 +14,7 @@ from cgcompile.parallel.all_reduce_choice import LAMPORT_MAX_BYTES
 from cgcompile.parallel.lamport_all_reduce import (
     MAX_WORLD, PHASES, SENTINEL_BITS, LamportLayout, lamport_problem, without_negative_zero,
 )
-from parallel_launch import ROOT, torchrun
+from parallel_launch import ROOT, torchrun, two_gpus
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -60,10 +60,6 @@ def test_the_kernel_on_interpreted_ranks_sums_exactly_and_resets_its_slots(world
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert f"lamport kernel on {world} interpreted ranks" in done.stdout
-
-
-two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA GPUs")
 
 
 @pytest.mark.cuda
