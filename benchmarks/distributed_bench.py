@@ -40,7 +40,8 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
     all-reduce-fast the same through cgcompile's fast all-reduce (`cgcompile::all_reduce`,
                     torch symmetric memory where the group allows it; CUDA only)
 
---all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md);
+--all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md),
+--no-fuse-norm turns Config.fuse_all_reduce_norm off;
 --tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
 small-query one alone, tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
 multicast stays off in every run.
@@ -89,6 +90,7 @@ SHARD_ONLY = {"70b"}  # no rank can hold the whole model: TP variants only, each
 FILL = 256
 ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce)
 MATVEC = False  # Config.matvec_as_reduction of every compiled variant on CUDA (--matvec-as-reduction)
+FUSE_NORM = True  # Config.fuse_all_reduce_norm of every compiled variant (--no-fuse-norm)
 
 
 def parse_args():
@@ -103,6 +105,8 @@ def parse_args():
     p.add_argument("--matvec-as-reduction", action="store_true",
                    help="on CUDA, every compiled variant with Config(matvec_as_reduction=True) and Inductor's "
                         "coordinate-descent tuning: one-row linears as reductions (docs/performance.md)")
+    p.add_argument("--no-fuse-norm", action="store_true",
+                   help="Config(fuse_all_reduce_norm=False): each all-reduce, residual add and RMS norm apart")
     p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
                    help="TP variants: cgcompile, eager, full (both full-graph ones), full-sq (the small-query one), "
@@ -131,7 +135,8 @@ def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8
     return cgcompile.Backend(cgcompile.Config(
         capture_sizes=tuple(sorted(set(sizes))), compiler="inductor" if cuda else "eager",
         capture_error_mode="thread_local",
-        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE, **split, **matvec))
+        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE,
+        fuse_all_reduce_norm=FUSE_NORM, **split, **matvec))
 
 
 def full_variants(device, variants) -> tuple[tuple[str, bool], ...]:
@@ -389,8 +394,8 @@ def whole_model_parts(cfg, device, dtype, args, report, floor):
 
 def main():
     args = parse_args()
-    global ALL_REDUCE, MATVEC
-    ALL_REDUCE, MATVEC = args.all_reduce, args.matvec_as_reduction
+    global ALL_REDUCE, MATVEC, FUSE_NORM
+    ALL_REDUCE, MATVEC, FUSE_NORM = args.all_reduce, args.matvec_as_reduction, not args.no_fuse_norm
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []
     with torchrun_worker(args.device) as device:

@@ -6,7 +6,10 @@
 #   tests          pytest -m cuda tests/parallel (2 ranks each)
 #   all_reduce     one captured all-reduce on N ranks, NCCL against the fast path
 #   tp_8b_n2_auto  8B decode step, TP=2 and TP=1 (rank 0), batch 1 and 8, fast all-reduce
+#   tp_8b_n2_unfused  the TP=2 step with Config.fuse_all_reduce_norm off (each all-reduce, residual
+#                  add and RMS norm apart), beside tp_8b_n2_auto's fused one
 #   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
+#   tp_8b_n4_unfused  (N=4) the TP=4 step unfused
 #   tp_70b_n4      (N=4) 70B-class shape at TP=4 (each rank builds its shard), against the
 #                  per-rank weight-bytes floor
 #   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
@@ -46,6 +49,8 @@ ORDER=()
 TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 TP8B=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq,tp1
       --steps 20 --warmup 3)
+TP8B_TP=(benchmarks/distributed_bench.py --models 8b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq
+         --steps 20 --warmup 3 --all-reduce auto)  # TP=N only
 PP8B=(benchmarks/distributed_bench.py --models 8b --pp-batches 16,32,64,128 --steps 20 --warmup 3)
 # One-row linears as Inductor reductions: batch 1 only (batch 8 keeps cuBLAS), the full graph
 # at TP=N beside TP=1's piecewise and full graph.
@@ -76,11 +81,15 @@ step all_reduce && run all_reduce 90 "${TORCHRUN[@]}" --nproc-per-node "$N" benc
     --json "$OUT/all_reduce.json"
 step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
     --json "$OUT/tp_8b_n2_auto.json"
+step tp_8b_n2_unfused && run tp_8b_n2_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_TP[@]}" \
+    --no-fuse-norm --json "$OUT/tp_8b_n2_unfused.json"
 step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_MATVEC[@]}" \
     --json "$OUT/tp_8b_n2_matvec.json"
 if ((N >= 4)); then
   step tp_8b_n4_auto && run tp_8b_n4_auto 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --json "$OUT/tp_8b_n4_auto.json"
+  step tp_8b_n4_unfused && run tp_8b_n4_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_TP[@]}" \
+      --no-fuse-norm --json "$OUT/tp_8b_n4_unfused.json"
   step tp_70b_n4 && run tp_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
       --models 70b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq --steps 20 --warmup 3 \
       --json "$OUT/tp_70b_n4.json"

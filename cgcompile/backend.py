@@ -78,6 +78,7 @@ class Backend:
             self.config.compile.compiler, self.config.compile.compile_sizes,
             dict(self.config.compile.inductor_options), dict(self.config.compile.size_inductor_options),
             all_reduce=self.config.rewrites.all_reduce, matvec_as_reduction=self.config.compile.matvec_as_reduction,
+            fuse_all_reduce_norm=self.config.rewrites.fuse_all_reduce_norm,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.

@@ -435,6 +435,13 @@ class Rewrites(_Group):
         is the same without the Lamport kernel; "nccl" keeps the model's collectives as they are.
         A group's choice is made at its first set-up: to be sure, call
         `prepare_collectives(device, group, all_reduce=...)` before compiling.""")
+    fuse_all_reduce_norm: bool = option(True, _bool, doc="""
+        Where a routed all-reduce's sum is added to a residual and RMS-normalised (every
+        tensor-parallel pre-norm layer, twice), and its group runs the Lamport kernel, the three
+        run as one kernel at decode sizes (up to 8 rows, hidden size up to 8192); larger calls run
+        them one after the other as before. Results agree with the unfused graph's to rounding
+        (the norm's sum runs in another order). Inductor pieces only; see
+        `cgcompile.parallel.all_reduce_norm`.""")
 
 
 @_group

@@ -176,19 +176,20 @@ class PieceCompiler:
     warm-up that `compile_sizes` adds.
     all_reduce: `Config.all_reduce`; "auto" compiles every piece with the post-grad pass
         that routes the aten graph's all-reduces (`parallel.inductor_all_reduce`) in
-        Inductor's config, and keys the compiles by it.
+        Inductor's config, and keys the compiles by it; with `fuse_all_reduce_norm` the pass
+        also fuses all-reduces with the residual add and RMS norm after them.
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
                  inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
-                 all_reduce: str = "nccl", matvec_as_reduction: bool = False):
+                 all_reduce: str = "nccl", matvec_as_reduction: bool = False, fuse_all_reduce_norm: bool = True):
         self.compiler = compiler
         self.matvec_as_reduction = matvec_as_reduction
         self.matvec_reductions = 0  # one-row linears compiled as reductions (Config.matvec_as_reduction)
         self.compile_sizes = frozenset(compile_sizes)
         self.inductor_options = dict(inductor_options or {})
         self.size_options = {**self.inductor_options, **(size_options or {})}
-        self.all_reduce_pass = all_reduce_pass(self.inductor_options, all_reduce)
+        self.all_reduce_pass = all_reduce_pass(self.inductor_options, all_reduce, fuse_all_reduce_norm)
         self.cache = CompileCache()
 
     @property

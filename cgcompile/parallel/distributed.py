@@ -126,12 +126,12 @@ def setup_all_reduce(device: torch.device | str, group=None, *, configured: str 
     device = torch.device(device)
     facts = gather_facts(group, device, lamport=configured == AUTO)
     choice = choose_for_group(group.group_name, facts, configured=configured)
-    buffers, lamport = {}, {}
+    buffers, lamport = {}, ()
     if choice.fast:
         choice, buffers = _allocate_or_fall_back(choice, group, device)
     if choice.lamport:
         choice, lamport = _lamport_or_fall_back(choice, group, device)
-    GROUPS.add(FastGroup(choice, buffers, lamport))
+    GROUPS.add(FastGroup(choice, buffers, *lamport))
     log.info("cgcompile: %s: all-reduce for %s", rank_name(), choice)
     return choice
 
@@ -206,12 +206,13 @@ def _lamport_or_fall_back(choice: AllReduceChoice, group, device: torch.device):
     rank = dist.get_rank(group)
     lamport, failed = _on_every_rank(group, lambda: allocate_lamport(choice, rank, device), catch=Exception)
     if not failed:
-        _, failed = _on_every_rank(group, lambda: [b.check() for b in lamport.values()], catch=Exception)
+        checks = lambda: [b.check() for buffers in lamport for b in buffers.values()]  # noqa: E731
+        _, failed = _on_every_rank(group, checks, catch=Exception)
     if not failed:
         return choice, lamport
     log.warning("cgcompile: %s: the Lamport all-reduce for group %r failed (%s); its small all-reduces use "
                 "one-shot", rank_name(), choice.group_name, "; ".join(failed))
-    return choice.without_lamport(f"its set-up failed ({failed[0]})"), {}
+    return choice.without_lamport(f"its set-up failed ({failed[0]})"), ()
 
 
 def check_same_rows(culprit: str, rows: int, group=None) -> None:

@@ -28,8 +28,9 @@ from typing import Any, Iterator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ..passes import all_reduce_norm as norm_rewrite
 from ..passes import fast_all_reduce as rewrite
-from . import all_reduce_choice, fast_all_reduce, symm_all_reduce
+from . import all_reduce_choice, all_reduce_norm, fast_all_reduce, lamport_all_reduce, symm_all_reduce
 from .all_reduce_choice import NCCL
 
 log = logging.getLogger(__name__)
@@ -39,43 +40,51 @@ POST_GRAD_PASS = "post_grad_custom_post_pass"  # the Inductor option the pass go
 
 class RouteCompiledAllReduces(CustomGraphPass):
     """Inductor's post-grad pass: each sum all-reduce of the aten graph to its group's path,
-    as recorded in `registry` (this process's `GROUPS` unless a test gives its own)."""
+    as recorded in `registry` (this process's `GROUPS` unless a test gives its own); then,
+    with `fuse_norm`, each routed all-reduce that a residual add and an RMS norm follow, on a
+    group with the Lamport kernel, into one call (`all_reduce_norm`)."""
 
-    def __init__(self, registry: symm_all_reduce.GroupRegistry | None = None):
+    def __init__(self, registry: symm_all_reduce.GroupRegistry | None = None, fuse_norm: bool = True):
         self.registry = registry if registry is not None else symm_all_reduce.GROUPS
+        self.fuse_norm = fuse_norm
 
     def __call__(self, graph) -> None:
         # torch hands a Graph (older releases: its GraphModule); the rewrite recompiles the module.
         gm = graph if isinstance(graph, torch.fx.GraphModule) else graph.owning_module
         fast_all_reduce.route_compiled_all_reduces(gm, self.registry.choice_of)
+        if self.fuse_norm:
+            all_reduce_norm.fuse_compiled_all_reduce_norms(gm, self.registry.choice_of)
 
     def uuid(self) -> Any:
-        return (_sources_hash(), self._choices())
+        return (_sources_hash(), self._choices(), self.fuse_norm)
 
     def __repr__(self) -> str:
         # Part of cgcompile's own compile keys (`compiler.options_key`): the choices, no address.
-        return f"{type(self).__name__}({self._choices()})"
+        return f"{type(self).__name__}({self._choices()}, fuse_norm={self.fuse_norm})"
 
     def _choices(self) -> tuple:
-        return tuple(sorted((c.group_name, c.kind, tuple(map(str, c.dtypes))) for c in self.registry.choices()))
+        return tuple(sorted((c.group_name, c.kind, tuple(map(str, c.dtypes)), c.lamport_max_bytes)
+                            for c in self.registry.choices()))
 
 
 @functools.cache
 def _sources_hash() -> str:
-    modules = (rewrite, all_reduce_choice, fast_all_reduce, symm_all_reduce)
+    modules = (rewrite, norm_rewrite, all_reduce_choice, all_reduce_norm, fast_all_reduce, lamport_all_reduce,
+               symm_all_reduce)
     return get_hash_for_files(tuple(m.__file__ for m in modules)).hex()
 
 
-def all_reduce_pass(options: dict[str, Any], all_reduce: str) -> RouteCompiledAllReduces | None:
-    """The post-grad pass piece compiles run under where `Config.all_reduce` is "auto"; None
-    for "nccl", or where the user's Inductor `options` set their own post-grad pass (torch
-    runs one): then the aten-level route is off, with a warning."""
+def all_reduce_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True) -> RouteCompiledAllReduces | None:
+    """The post-grad pass piece compiles run under where `Config.all_reduce` is not "nccl"
+    (`fuse_norm`: `Config.fuse_all_reduce_norm`); None for "nccl", or where the user's
+    Inductor `options` set their own post-grad pass (torch runs one): then the aten-level
+    route and the fusion are off, with a warning."""
     if all_reduce == NCCL:
         return None
     if options.get(POST_GRAD_PASS) is not None:
         _warn_user_pass_kept()
         return None
-    return RouteCompiledAllReduces()
+    return RouteCompiledAllReduces(fuse_norm=fuse_norm)
 
 
 @contextlib.contextmanager

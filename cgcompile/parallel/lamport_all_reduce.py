@@ -147,7 +147,7 @@ class LamportBuffer:
         that no peer's data lands before this rank's fill."""
         import torch.distributed._symmetric_memory as symm_mem
 
-        layout = LamportLayout(world_size, torch.empty((), dtype=dtype).element_size())
+        layout = cls.layout_for(world_size, torch.empty((), dtype=dtype).element_size())
         bits_dtype, sentinel = SENTINEL_BITS[dtype]
         buffer = symm_mem.empty(layout.numel, dtype=bits_dtype, device=device)
         buffer.fill_(sentinel)
@@ -157,6 +157,10 @@ class LamportBuffer:
         assert all(a % ALIGNMENT == 0 for a in addresses), addresses  # the kernel's alignment hint
         peers = torch.tensor(addresses, dtype=torch.int64, device=device)
         return cls(layout, rank, dtype, buffer, peers, handle)
+
+    @classmethod
+    def layout_for(cls, world_size: int, element_size: int) -> LamportLayout:
+        return LamportLayout(world_size, element_size)
 
     def compile(self) -> None:
         """Compile the kernel without running it: a rank whose compile fails must not leave
@@ -194,6 +198,77 @@ class LamportBuffer:
         return nbytes // ALIGNMENT
 
 
+# The fused kernel (`all_reduce_norm`): one program a row, each row owning NORM_ROW elements
+# of every slot, so a program index touches the same elements at every hidden size.
+NORM_ROW = 8192  # the largest hidden size it takes (a power of 2: the program's block)
+NORM_ROWS = 8  # the most rows a call may have
+
+
+class LamportNormBuffer(LamportBuffer):
+    """A Lamport buffer of its own for the all-reduce fused with the residual add and RMS norm
+    after it (one program a row; `lamport_add_rms_norm_kernel`). The protocol and its argument
+    are the plain kernel's, per program index: the index is the row, whose part of each slot is
+    fixed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._constants = {**{k: v for k, v in self._constants.items() if k != "BLOCK"}, "ROW": NORM_ROW}
+
+    @classmethod
+    def layout_for(cls, world_size: int, element_size: int) -> LamportLayout:
+        return LamportLayout(world_size, element_size, max_bytes=NORM_ROWS * NORM_ROW * element_size, block=NORM_ROW)
+
+    def problem(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, max_bytes: int) -> str | None:
+        """Why the fused kernel cannot take this call (None: it can); `max_bytes`: the group's
+        Lamport limit, where the kernel's latency wins."""
+        hidden = x.shape[-1] if x.dim() else 0
+        rows = x.numel() // hidden if hidden else 0
+        nbytes = x.numel() * self.layout.element_size
+        tensors = {"input": x, "residual": residual, "weight": weight}
+        if x.dtype != self.dtype or residual.dtype != x.dtype or weight.dtype != x.dtype:
+            return f"dtypes {x.dtype}, {residual.dtype}, {weight.dtype}: the kernel takes {self.dtype} for all three"
+        if residual.shape != x.shape or tuple(weight.shape) != (hidden,):
+            return f"shapes {list(x.shape)}, {list(residual.shape)}, {list(weight.shape)}: not [..., h], [..., h], [h]"
+        if not 0 < hidden <= NORM_ROW or (hidden * self.layout.element_size) % ALIGNMENT:
+            return f"hidden size {hidden}: the kernel takes up to {NORM_ROW} of whole {ALIGNMENT}-byte vectors"
+        if rows > NORM_ROWS or nbytes > max_bytes:
+            return f"{rows} rows ({nbytes} bytes): the kernel takes up to {NORM_ROWS} rows and {max_bytes} bytes"
+        odd = [name for name, t in tensors.items() if not t.is_contiguous() or t.data_ptr() % ALIGNMENT]
+        if odd:
+            return f"{', '.join(odd)} not contiguous at a {ALIGNMENT}-byte aligned address"
+        return None
+
+    def compile(self) -> None:
+        example = torch.empty(1, NORM_ROW, dtype=self.dtype, device=self.buffer.device)
+        with _current(self.buffer.device):
+            _norm_kernel().warmup(example, example, example[0], example, example, self.peers, self.phases,
+                                  self._vectors(example), 1e-6, grid=(1,), **self._constants)
+
+    def check(self) -> None:
+        """One fused call of (rank + 1) over every row a slot holds (a collective), residual
+        0 and weight 1: the sums must be exact, the norms 1 (to rounding), the slots reset."""
+        world, (_, sentinel) = self.layout.world_size, SENTINEL_BITS[self.dtype]
+        x = torch.full((NORM_ROWS, NORM_ROW), float(self.rank + 1), dtype=self.dtype, device=self.buffer.device)
+        total, normed = self.add_rms_norm(x, torch.zeros_like(x), torch.ones_like(x[0]), 0.0)
+        want = world * (world + 1) // 2
+        if bool((total != want).any()) or not bool(((normed.float() - 1).abs() < 1e-2).all()):
+            raise RuntimeError(f"expected the fused Lamport all-reduce's self-check to give sums of {want} and "
+                               f"norms of 1, got sums {total.unique()[:4].tolist()}, norms {normed.unique()[:4].tolist()}")
+        if not bool((self.buffer == sentinel).all()):
+            raise RuntimeError("expected every slot back to the sentinel after the fused self-check, got some not")
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(all_reduce(x) + residual, its RMS norm times `weight`), in one kernel; `problem`
+        must have said None."""
+        hidden = x.shape[-1]
+        total, normed = torch.empty_like(x), torch.empty_like(x)
+        with _current(self.buffer.device):
+            _norm_kernel()[(x.numel() // hidden,)](x, residual, weight, total, normed, self.peers, self.phases,
+                                                   self._vectors(weight), float(eps), **self._constants)
+        return total, normed
+
+
 def _current(device: torch.device):
     """`device` made current; nothing for CPU tensors (Triton's interpreter, in tests)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -203,6 +278,12 @@ def _kernel():
     from .lamport_kernel import lamport_all_reduce_kernel
 
     return lamport_all_reduce_kernel
+
+
+def _norm_kernel():
+    from .lamport_kernel import lamport_add_rms_norm_kernel
+
+    return lamport_add_rms_norm_kernel
 
 
 def _triton_int(dtype: torch.dtype):

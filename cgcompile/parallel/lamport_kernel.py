@@ -1,9 +1,12 @@
-"""The Triton kernel of the Lamport all-reduce; imported only where Triton is (see
-`lamport_all_reduce`, whose docstring states the protocol and argues why it is sound).
+"""The Triton kernels of the Lamport all-reduce; imported only where Triton is (see
+`lamport_all_reduce`, whose docstring states the protocol and argues why it is sound, and
+`all_reduce_norm` for the fused residual add and RMS norm).
 
-One program (CTA) per BLOCK elements of the message. Buffers are read and written as
-integer bit patterns (`BITS`: int16 for bf16, int32 for fp32), so that the sentinel test
-compares bits: -0.0 == +0.0 as floats, and the sentinel is -0.0's bit pattern.
+Both kernels run the same three steps per program (CTA): publish the program's elements
+into every peer's slot, gather and sum the peers' elements as they arrive, reset the own
+slots and step the program's phase. Buffers are read and written as integer bit patterns
+(`BITS`: int16 for bf16, int32 for fp32), so that the sentinel test compares bits:
+-0.0 == +0.0 as floats, and the sentinel is -0.0's bit pattern.
 """
 
 import triton
@@ -30,37 +33,96 @@ def lamport_all_reduce_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] this program's elements of the message
     mask = offs < vectors * VEC  # constant over each 16-byte vector: the accesses vectorize
     phase = tl.load(phase_ptr + pid)
+    acc = _exchange(x_ptr, offs, offs, mask, phase, peers_ptr, RANK, WORLD, SLOT, BITS, SENTINEL)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _finish(peers_ptr, phase_ptr, pid, phase, offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL)
+
+
+@triton.jit(do_not_specialize=["vectors"])
+def lamport_add_rms_norm_kernel(
+    x_ptr,  # [rows, hidden] this rank's input (bf16 or fp32), read in place
+    residual_ptr,  # [rows, hidden] added to the sum
+    weight_ptr,  # [hidden] the norm's scale
+    sum_ptr,  # [rows, hidden] out: all_reduce(x) + residual, in the input's dtype
+    norm_ptr,  # [rows, hidden] out: rms_norm(sum) * weight
+    peers_ptr,
+    phase_ptr,  # [programs] int32, one per row
+    vectors,  # hidden in 16-byte vectors
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    PHASES: tl.constexpr,
+    SLOT: tl.constexpr,
+    ROW: tl.constexpr,  # elements of a slot each row owns: the largest hidden size, a power of 2
+    VEC: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+):
+    row = tl.program_id(0)  # one program a row: the norm reads the whole row
+    cols = tl.arange(0, ROW)
+    hidden = vectors * VEC
+    mask = cols < hidden
+    offs = row * hidden + cols  # the row in the [rows, hidden] tensors
+    slot_offs = row * ROW + cols  # the row's part of a slot: the same elements at every hidden size
+    phase = tl.load(phase_ptr + row)
+    total = _exchange(x_ptr, offs, slot_offs, mask, phase, peers_ptr, RANK, WORLD, SLOT, BITS, SENTINEL)
+
+    # What the unfused graph computes, rounding included: the all-reduce's result and the sum
+    # with the residual in the input's dtype, the norm in fp32, its result cast back before the
+    # weight (torch's and transformers' RMS norms), the product rounded once more.
+    dtype = x_ptr.dtype.element_ty
+    residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+    h = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
+    tl.store(sum_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    variance = tl.sum(hf * hf, axis=0) / hidden
+    normed = (hf * tl.rsqrt(variance + eps)).to(dtype)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(norm_ptr + offs, (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
+    _finish(peers_ptr, phase_ptr, row, phase, slot_offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL)
+
+
+@triton.jit
+def _exchange(x_ptr, offs, slot_offs, mask, phase, peers_ptr, RANK: tl.constexpr, WORLD: tl.constexpr,
+              SLOT: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """Publish this rank's elements `x[offs]` into slot (phase, RANK) of every peer at
+    `slot_offs`, then gather each peer's from the own buffer as they arrive; the fp32 sum."""
     own = _buffer(peers_ptr, RANK, BITS)
     bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(BITS, bitcast=True)
     bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)  # -0.0 -> +0.0: data never looks unwritten
 
-    # 1. Publish: this rank's elements into slot (phase, RANK) of every peer's buffer, over P2P.
+    # 1. Publish, over P2P.
     for dst in tl.static_range(WORLD):
         if dst != RANK:  # compile-time: this rank's own part stays in registers
             peer = _buffer(peers_ptr, dst, BITS)
-            tl.store(peer + (phase * WORLD + RANK) * SLOT + offs, bits, mask=mask)
+            tl.store(peer + (phase * WORLD + RANK) * SLOT + slot_offs, bits, mask=mask)
 
-    # 2. Gather: wait for each peer's elements in this rank's own buffer, summing in rank
-    # order in fp32 (every rank adds the same values in the same order: identical results).
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    # 2. Gather, summing in rank order in fp32 (every rank adds the same values in the same
+    # order: identical results).
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
     for src in tl.static_range(WORLD):
         if src == RANK:
             acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         else:
-            slot = own + (phase * WORLD + src) * SLOT + offs
+            slot = own + (phase * WORLD + src) * SLOT + slot_offs
             got = tl.load(slot, mask=mask, other=0, volatile=True)  # masked lanes read 0: never waiting
             while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
                 got = tl.load(slot, mask=mask, other=0, volatile=True)
             acc += got.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    return acc
 
-    # 3. Reset this phase's peer slots of the own buffer, once every thread of the program
-    # has read its elements (the barrier), then step this program's phase.
+
+@triton.jit
+def _finish(peers_ptr, phase_ptr, pid, phase, slot_offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
+            PHASES: tl.constexpr, SLOT: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
+    """3. Reset this phase's peer slots of the own buffer, once every thread of the program
+    has read its elements (the barrier), then step this program's phase."""
     tl.debug_barrier()
-    unwritten = tl.full([BLOCK], SENTINEL, BITS)
+    own = _buffer(peers_ptr, RANK, BITS)
+    unwritten = tl.full(slot_offs.shape, SENTINEL, BITS)
     for src in tl.static_range(WORLD):
         if src != RANK:
-            tl.store(own + (phase * WORLD + src) * SLOT + offs, unwritten, mask=mask)
+            tl.store(own + (phase * WORLD + src) * SLOT + slot_offs, unwritten, mask=mask)
     tl.store(phase_ptr + pid, (phase + 1) % PHASES)
 
 

@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from .all_reduce_choice import ALIGNMENT, LAMPORT, NCCL, ONE_SHOT, TWO_SHOT, AllReduceChoice, kind_for_call
-from .lamport_all_reduce import LamportBuffer
+from .lamport_all_reduce import LamportBuffer, LamportNormBuffer
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,14 @@ _SYMM_OPS = ("one_shot_all_reduce_copy_out", "two_shot_all_reduce_out")
 @dataclasses.dataclass
 class FastGroup:
     """One group's choice, its symmetric buffers (by dtype; empty for NCCL), its Lamport
-    buffers (by dtype; empty unless `choice.lamport`) and how many all-reduces ran each way
-    (eager calls and captures; replays run no Python)."""
+    buffers for plain sums and for sums fused with a residual add and RMS norm (by dtype;
+    empty unless `choice.lamport`) and how many all-reduces ran each way (eager calls and
+    captures; replays run no Python)."""
 
     choice: AllReduceChoice
     buffers: dict[torch.dtype, torch.Tensor]
     lamport: dict[torch.dtype, LamportBuffer] = dataclasses.field(default_factory=dict)
+    lamport_norm: dict[torch.dtype, LamportNormBuffer] = dataclasses.field(default_factory=dict)
     calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -115,16 +117,19 @@ def allocate_buffers(choice: AllReduceChoice, device: torch.device) -> dict[torc
     return buffers
 
 
-def allocate_lamport(choice: AllReduceChoice, rank: int, device: torch.device) -> dict[torch.dtype, LamportBuffer]:
-    """One Lamport buffer per dtype of `choice`, filled with the sentinel and rendezvoused
-    (a collective, after `allocate_buffers`), its kernel compiled, every fill done on the
-    device. The caller meets every rank before the first call (see `LamportBuffer.allocate`)."""
-    buffers = {dtype: LamportBuffer.allocate(choice.group_name, dtype, rank, choice.world_size, device)
-               for dtype in choice.dtypes}
-    for buffer in buffers.values():
-        buffer.compile()
+def allocate_lamport(choice: AllReduceChoice, rank: int, device: torch.device):
+    """Two Lamport buffers per dtype of `choice`, for plain sums and for fused ones
+    (`all_reduce_norm`), filled with the sentinel and rendezvoused (a collective, after
+    `allocate_buffers`), their kernels compiled, every fill done on the device. The caller
+    meets every rank before the first call (see `LamportBuffer.allocate`). Returns
+    ({dtype: plain}, {dtype: fused})."""
+    made = [{dtype: kind.allocate(choice.group_name, dtype, rank, choice.world_size, device) for dtype in choice.dtypes}
+            for kind in (LamportBuffer, LamportNormBuffer)]
+    for buffers in made:
+        for buffer in buffers.values():
+            buffer.compile()
     torch.cuda.synchronize(device)
-    return buffers
+    return tuple(made)
 
 
 def _enable_for_group(symm_mem, group_name: str) -> None:

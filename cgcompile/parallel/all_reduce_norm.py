@@ -1,0 +1,82 @@
+"""The all-reduce fused with the residual add and RMS norm after it, at decode sizes.
+
+    total, normed = torch.ops.cgcompile.all_reduce_add_rms_norm(x, residual, weight, eps, group_name)
+    # total = all_reduce(x) + residual; normed = weight * rms_norm(total, eps), rounded as the graph rounds
+
+Both halves of a tensor-parallel pre-norm layer end this way (`passes.all_reduce_norm`). At
+decode each of the three steps is one small, latency-bound kernel; fused under the Lamport
+protocol (`lamport_add_rms_norm_kernel`, one program a row, on a buffer of its own:
+`LamportNormBuffer`), the sum, the add and the norm are one kernel, and the row never leaves
+the program between them.
+
+Where it applies: inside Inductor's compile of a piece, the post-grad pass
+(`inductor_all_reduce.RouteCompiledAllReduces`) fuses the chains of routed all-reduces whose
+group runs the Lamport kernel (`Config.all_reduce="auto"`), unless
+`Config.fuse_all_reduce_norm` is off. Per call (at capture: replays run no Python) the op runs
+the fused kernel where it takes the call (`LamportNormBuffer.problem`: up to 8 rows, a hidden
+size up to 8192, within the group's Lamport byte limit); any other call runs the group's
+all-reduce (`cgcompile::all_reduce`: one-shot, two-shot or NCCL) and then the add and the norm
+as torch ops, the graph's own arithmetic, so a larger capture size is as correct as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
+from .all_reduce_choice import AllReduceChoice
+from .symm_all_reduce import ALL_REDUCE_OP, GROUPS
+
+log = logging.getLogger(__name__)
+
+LAMPORT_ADD_RMS_NORM = "lamport_add_rms_norm"  # a per-call kind in `all_reduce_report().calls`
+
+
+@torch.library.custom_op("cgcompile::all_reduce_add_rms_norm", mutates_args=())
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_reduce(x) + residual, weight * rms_norm(that)), by the fused kernel where it takes the call."""
+    group = GROUPS.get(group_name)
+    buffer = group.lamport_norm.get(x.dtype) if group is not None else None
+    if buffer is not None and buffer.problem(x, residual, weight, group.choice.lamport_max_bytes) is None:
+        group.calls[LAMPORT_ADD_RMS_NORM] += 1
+        return buffer.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm(torch.ops.cgcompile.all_reduce(x, "sum", group_name), residual, weight, eps)
+
+
+@all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, group_name):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def add_rms_norm(total: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused arithmetic the rewrite matched, as torch ops (the op's path for calls the
+    kernel does not take, and the tests' reference)."""
+    added = total + residual
+    wide = added.float()
+    return added, weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(added.dtype)
+
+
+FUSED_OP = torch.ops.cgcompile.all_reduce_add_rms_norm.default
+
+
+def fuse_compiled_all_reduce_norms(gm: torch.fx.GraphModule, choice_of) -> int:
+    """Fuse, in an aten graph inside an Inductor compile, every routed all-reduce + residual
+    add + RMS norm whose group runs the Lamport kernel (`choice_of(group_name)`, recorded at
+    set-up) in the chain's dtype. Runs no collective. Returns how many were fused."""
+    found = [c for c in find_all_reduce_norms(gm, ALL_REDUCE_OP) if _lamport_serves(choice_of(c.group_name), gm, c)]
+    fused = fuse_all_reduce_norms(gm, found, FUSED_OP)
+    for chain in found:
+        log.info("cgcompile: all-reduce %s on group %r fused with the residual add %s and the RMS norm %s",
+                 chain.all_reduce, chain.group_name, chain.add, chain.norm)
+    return fused
+
+
+def _lamport_serves(choice: AllReduceChoice | None, gm: torch.fx.GraphModule, chain) -> bool:
+    if choice is None or not choice.lamport:
+        return False
+    node = next(n for n in gm.graph.nodes if n.name == chain.add)
+    return node.meta["val"].dtype in choice.dtypes

@@ -1,0 +1,211 @@
+"""The all-reduce fused with the residual add and RMS norm after it: which chains of Inductor's
+post-grad graph the rewrite takes (those of torch's, transformers' and cgcompile's RMS norms)
+and which it leaves, the rewritten graph against the original (a stand-in all-reduce on CPU),
+which groups get it, how the pass keys Inductor's cache, the fused kernel under Triton's
+interpreter on forked ranks, and on 2 GPUs the kernel eager and in graphs against NCCL plus
+the unfused ops."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import cgcompile
+from cgcompile.build.compiler import PieceCompiler
+from cgcompile.parallel.all_reduce_choice import GroupFacts, choose_for_group
+from cgcompile.parallel.all_reduce_norm import FUSED_OP, add_rms_norm, fuse_compiled_all_reduce_norms
+from cgcompile.parallel.inductor_all_reduce import RouteCompiledAllReduces
+from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
+from cgcompile.passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
+from parallel_launch import ROOT, torchrun, two_gpus
+
+EPS = 1e-6
+
+
+def all_reduce(x):
+    return torch.ops.cgcompile.all_reduce(x, "sum", "tp")
+
+
+def transformers_norm(x, residual, weight):  # LlamaRMSNorm after the residual add
+    h = all_reduce(x) + residual
+    hs = h.to(torch.float32)
+    hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS)
+    return h * 3, weight * hs.to(h.dtype)
+
+
+def cgcompile_norm(x, residual, weight):  # cgcompile.testing.decode_model.RMSNorm, operands swapped
+    h = residual + all_reduce(x)
+    xf = h.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)
+    return h, xf.to(h.dtype) * weight
+
+
+def float_model_norm(x, residual, weight):  # float32: no casts
+    h = all_reduce(x) + residual
+    return h, weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS))
+
+
+def norm_read_in_float(x, residual, weight):  # the float norm is read again: nothing to fuse
+    h = all_reduce(x) + residual
+    hs = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)
+    return hs, weight * hs.to(h.dtype)
+
+
+def sum_read_twice(x, residual, weight):  # the all-reduce's own result is an output
+    s = all_reduce(x)
+    h = s + residual
+    hs = h.float()
+    return s, weight * (hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+
+def norm_over_rows(x, residual, weight):  # not the last dimension
+    h = all_reduce(x) + residual
+    hs = h.float()
+    return h, weight[0] * (hs * torch.rsqrt(hs.pow(2).mean(0, keepdim=True) + EPS)).to(h.dtype)
+
+
+def weight_scaled_in_float(x, residual, weight):  # Gemma's form: scaled before the cast
+    h = all_reduce(x) + residual
+    hs = h.float()
+    return h, (hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS) * (1.0 + weight.float())).to(h.dtype)
+
+
+class _Stop(Exception):
+    pass
+
+
+def post_grad_graph(fn, dtype=torch.bfloat16, rows=3, hidden=64):
+    """fn's aten graph as Inductor's post-grad passes see it (the compile stops there), and inputs."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Keep(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(graph.owning_module)
+            raise _Stop
+
+        def uuid(self):
+            return None
+
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, hidden, generator=generator).to(dtype) for _ in range(2)]
+    inputs.append(torch.rand(hidden, generator=generator).to(dtype))
+    with pytest.raises(Exception) as raised:
+        torch.compile(fn, backend="inductor", options={"post_grad_custom_post_pass": Keep()}, fullgraph=True)(*inputs)
+    assert seen, raised.value
+    return seen[0], inputs
+
+
+def stand_in_all_reduce(x, reduce_op, group_name):  # one rank's view of a sum over two equal ranks
+    return x * 2
+
+
+def stand_in_fused(x, residual, weight, eps, group_name):
+    return add_rms_norm(stand_in_all_reduce(x, "sum", group_name), residual, weight, eps)
+
+
+def run(gm, inputs):
+    for node in gm.graph.nodes:
+        if node.target is ALL_REDUCE_OP:
+            node.target = stand_in_all_reduce
+    gm.recompile()
+    return gm(*inputs)
+
+
+@pytest.mark.parametrize("fn, dtype", [(transformers_norm, torch.bfloat16), (cgcompile_norm, torch.bfloat16),
+                                       (float_model_norm, torch.float32)])
+def test_the_chain_is_fused_into_one_call_that_computes_the_same(fn, dtype):
+    gm, inputs = post_grad_graph(fn, dtype)
+    found = find_all_reduce_norms(gm, ALL_REDUCE_OP)
+    assert len(found) == 1 and found[0].eps == EPS and found[0].group_name == "tp", gm.code
+    before = run(gm, inputs)
+    gm, _ = post_grad_graph(fn, dtype)
+    assert fuse_all_reduce_norms(gm, find_all_reduce_norms(gm, ALL_REDUCE_OP), stand_in_fused) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.rsqrt.default not in targets and ALL_REDUCE_OP not in targets, gm.code
+    after = gm(*inputs)
+    for got, want in zip(after, before):
+        assert torch.equal(got, want)  # the same torch ops, in the same order
+
+
+@pytest.mark.parametrize("fn", [norm_read_in_float, sum_read_twice, norm_over_rows, weight_scaled_in_float])
+def test_chains_whose_parts_are_read_elsewhere_or_differ_are_left(fn):
+    gm, _ = post_grad_graph(fn)
+    assert find_all_reduce_norms(gm, ALL_REDUCE_OP) == []
+
+
+def test_a_weight_of_another_dtype_is_left():
+    def mixed(x, residual, weight):
+        h = all_reduce(x) + residual
+        hs = h.float()
+        return h, weight.float() * (hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + EPS)).to(h.dtype)
+
+    gm, _ = post_grad_graph(mixed)
+    assert find_all_reduce_norms(gm, ALL_REDUCE_OP) == []
+
+
+GOOD = GroupFacts("cuda", "nccl", 2, 1, True, None)
+
+
+def registry_with(choice):
+    registry = GroupRegistry()
+    registry.add(FastGroup(choice, {}))
+    return registry
+
+
+def test_only_groups_with_the_lamport_kernel_get_the_fused_op():
+    lamport = choose_for_group("tp", GOOD)
+    assert lamport.lamport
+    for choice, fused in [(lamport, 1), (choose_for_group("tp", GOOD, configured="symm_mem"), 0),
+                          (choose_for_group("tp", GOOD, configured="nccl"), 0)]:
+        gm, _ = post_grad_graph(transformers_norm)
+        assert fuse_compiled_all_reduce_norms(gm, registry_with(choice).choice_of) == fused
+        assert sum(n.target is FUSED_OP for n in gm.graph.nodes) == fused, choice
+    gm, _ = post_grad_graph(transformers_norm)
+    assert fuse_compiled_all_reduce_norms(gm, GroupRegistry().choice_of) == 0  # never set up
+
+
+def test_the_post_grad_pass_fuses_unless_told_not_to_and_keys_the_cache_by_it():
+    registry = registry_with(choose_for_group("tp", GOOD))
+    on, off = RouteCompiledAllReduces(registry), RouteCompiledAllReduces(registry, fuse_norm=False)
+    assert on.uuid() != off.uuid() and repr(on) != repr(off)
+    for route, fused in [(on, 1), (off, 0)]:
+        gm, _ = post_grad_graph(transformers_norm)
+        route(gm.graph)
+        assert sum(n.target is FUSED_OP for n in gm.graph.nodes) == fused
+
+
+def test_config_turns_the_fusion_off_for_piece_compiles():
+    assert cgcompile.Config().rewrites.fuse_all_reduce_norm
+    assert PieceCompiler("inductor", all_reduce="auto").all_reduce_pass.fuse_norm
+    off = PieceCompiler("inductor", all_reduce="auto", fuse_all_reduce_norm=False)
+    assert not off.all_reduce_pass.fuse_norm
+
+
+has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")
+
+
+@has_triton
+@pytest.mark.parametrize("world, dtype", [(2, "bf16"), (4, "fp32")])
+def test_the_fused_kernel_on_interpreted_ranks_equals_the_unfused_ops(world, dtype):
+    worker = ROOT / "tests" / "parallel" / "lamport_interpret_worker.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(worker), str(world), dtype, "norm"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert f"fused lamport kernel on {world} interpreted ranks" in done.stdout
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_cuda_fused_all_reduce_norm_equals_nccl_and_the_unfused_ops():
+    out = torchrun(ROOT / "tests" / "parallel" / "all_reduce_norm_cuda_worker.py", timeout=400)
+    for rank in (0, 1):
+        for check in ("fused eager calls equal the unfused ops", "fused calls in graphs replayed in any order",
+                      "compiled layers fuse and equal the unfused compile"):
+            assert f"rank {rank}: {check}: ok" in out, out
