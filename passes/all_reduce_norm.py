@@ -65,8 +65,8 @@ def find_all_reduce_norms(gm: GraphModule, all_reduce_target) -> list[AllReduceN
 def fuse_all_reduce_norms(gm: GraphModule, found: list[AllReduceNorm], target) -> int:
     """Replace each chain of `found` by `target(x, residual, weight, eps, group_name)`, whose two
     results take the places of the add and of the weighted norm. Returns how many."""
-    by_name = {node.name: node for node in gm.graph.nodes}
-    for chain in found:
+    by_name = {node.name: node for node in gm.graph.nodes}  # updated as chains are fused:
+    for chain in found:  # a chain's residual may be an earlier chain's sum
         add, norm = by_name[chain.add], by_name[chain.norm]
         args = (by_name[chain.x], by_name[chain.residual], by_name[chain.weight], chain.eps, chain.group_name)
         with gm.graph.inserting_before(add):
@@ -80,6 +80,7 @@ def fuse_all_reduce_norms(gm: GraphModule, found: list[AllReduceNorm], target) -
         norm.replace_all_uses_with(normed)
         for name in reversed(chain.erased):  # readers before what they read
             gm.graph.erase_node(by_name[name])
+        by_name.update({chain.add: total, chain.norm: normed})
     if found:
         gm.graph.lint()
         gm.recompile()

@@ -48,6 +48,12 @@ def float_model_norm(x, residual, weight):  # float32: no casts
     return h, weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS))
 
 
+def two_layers(x, residual, weight):  # the second chain's residual is the first one's sum
+    h, y = cgcompile_norm(x, residual, weight)
+    h2, y2 = cgcompile_norm(y * 2, h, weight)
+    return h2, y2 + y
+
+
 def norm_read_in_float(x, residual, weight):  # the float norm is read again: nothing to fuse
     h = all_reduce(x) + residual
     hs = h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + EPS)
@@ -117,15 +123,15 @@ def run(gm, inputs):
     return gm(*inputs)
 
 
-@pytest.mark.parametrize("fn, dtype", [(transformers_norm, torch.bfloat16), (cgcompile_norm, torch.bfloat16),
-                                       (float_model_norm, torch.float32)])
-def test_the_chain_is_fused_into_one_call_that_computes_the_same(fn, dtype):
+@pytest.mark.parametrize("fn, dtype, chains", [(transformers_norm, torch.bfloat16, 1), (cgcompile_norm, torch.bfloat16, 1),
+                                               (float_model_norm, torch.float32, 1), (two_layers, torch.bfloat16, 2)])
+def test_the_chain_is_fused_into_one_call_that_computes_the_same(fn, dtype, chains):
     gm, inputs = post_grad_graph(fn, dtype)
     found = find_all_reduce_norms(gm, ALL_REDUCE_OP)
-    assert len(found) == 1 and found[0].eps == EPS and found[0].group_name == "tp", gm.code
+    assert len(found) == chains and found[0].eps == EPS and found[0].group_name == "tp", gm.code
     before = run(gm, inputs)
     gm, _ = post_grad_graph(fn, dtype)
-    assert fuse_all_reduce_norms(gm, find_all_reduce_norms(gm, ALL_REDUCE_OP), stand_in_fused) == 1
+    assert fuse_all_reduce_norms(gm, find_all_reduce_norms(gm, ALL_REDUCE_OP), stand_in_fused) == chains
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten.rsqrt.default not in targets and ALL_REDUCE_OP not in targets, gm.code
     after = gm(*inputs)
