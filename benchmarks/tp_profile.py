@@ -39,6 +39,7 @@ def parse_args():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--variant", default="full-sq", choices=["piecewise", "full", "full-sq"])
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    p.add_argument("--no-fuse-norm", action="store_true", help="Config(fuse_all_reduce_norm=False)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     return p.parse_args()
@@ -63,7 +64,7 @@ def kernel_table(prof, steps: int, top: int) -> list[str]:
 
 def main():
     args = parse_args()
-    bench.ALL_REDUCE = args.all_reduce
+    bench.ALL_REDUCE, bench.FUSE_NORM = args.all_reduce, not args.no_fuse_norm
     with torchrun_worker("cuda") as device, torch.inference_mode():
         use_length_independent_attention_kernels()
         llama = bench.build_llama(bench.CONFIGS[args.model], device, torch.bfloat16)
@@ -81,10 +82,11 @@ def main():
                 step(ids, starts[20 + k])
             torch.cuda.synchronize()
         lines = [f"rank {dist.get_rank()} {args.model} batch {args.batch} {args.variant} "
-                 f"all_reduce={args.all_reduce}: step {statistics.median(ms):.3f} ms"]
+                 f"all_reduce={args.all_reduce} fuse_norm={bench.FUSE_NORM}: step {statistics.median(ms):.3f} ms"]
         lines += kernel_table(prof, args.steps, args.top)
         if dist.get_rank() == 0:
-            lines += all_reduce_report().lines()[:6]
+            report = all_reduce_report()
+            lines += report.lines()[:4] + [line for line in report.lines() if line.startswith("all-reduce calls")]
         for rank in range(dist.get_world_size()):
             dist.barrier()
             if rank == dist.get_rank():
