@@ -67,7 +67,7 @@ def fuse_compiled_all_reduce_norms(gm: torch.fx.GraphModule, choice_of) -> int:
     """Fuse, in an aten graph inside an Inductor compile, every routed all-reduce + residual
     add + RMS norm whose group runs the Lamport kernel (`choice_of(group_name)`, recorded at
     set-up) in the chain's dtype. Runs no collective. Returns how many were fused."""
-    found = [c for c in find_all_reduce_norms(gm, ALL_REDUCE_OP) if _lamport_serves(choice_of(c.group_name), gm, c)]
+    found = [c for c in find_all_reduce_norms(gm, ALL_REDUCE_OP) if _lamport_serves(choice_of(c.group_name), c.dtype)]
     fused = fuse_all_reduce_norms(gm, found, FUSED_OP)
     for chain in found:
         log.info("cgcompile: all-reduce %s on group %r fused with the residual add %s and the RMS norm %s",
@@ -75,8 +75,5 @@ def fuse_compiled_all_reduce_norms(gm: torch.fx.GraphModule, choice_of) -> int:
     return fused
 
 
-def _lamport_serves(choice: AllReduceChoice | None, gm: torch.fx.GraphModule, chain) -> bool:
-    if choice is None or not choice.lamport:
-        return False
-    node = next(n for n in gm.graph.nodes if n.name == chain.add)
-    return node.meta["val"].dtype in choice.dtypes
+def _lamport_serves(choice: AllReduceChoice | None, dtype: torch.dtype) -> bool:
+    return choice is not None and choice.lamport and dtype in choice.dtypes

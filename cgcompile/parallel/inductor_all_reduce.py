@@ -103,4 +103,5 @@ def compiling_with(route: RouteCompiledAllReduces | None) -> Iterator[None]:
 @functools.cache
 def _warn_user_pass_kept() -> None:
     log.warning("cgcompile: inductor_options set %s, so all-reduces that only Inductor's aten graph shows "
-                "(DTensor's) keep NCCL; those of the Dynamo graph are still routed", POST_GRAD_PASS)
+                "(DTensor's) keep NCCL and no all-reduce is fused with the RMS norm after it; those of the "
+                "Dynamo graph are still routed", POST_GRAD_PASS)

@@ -109,9 +109,25 @@ def dtensor_all_reduce_routed_inside_inductor():
     return "dtensor all-reduce routed inside inductor"
 
 
+def fused_norm_op_falls_back():
+    """The fused op on a group without the Lamport kernel: the group's all-reduce, then the add
+    and the norm as torch ops, equal to eager's."""
+    x, _ = rank_inputs()
+    residual, weight = torch.randn(3, 8, generator=torch.Generator().manual_seed(5)), torch.rand(8)
+    got = torch.ops.cgcompile.all_reduce_add_rms_norm(x, residual, weight, 1e-6, dist.group.WORLD.group_name)
+    total = x.clone()
+    dist.all_reduce(total)
+    total = total + residual
+    normed = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(got[0], total, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], normed)
+    return "fused norm op falls back"
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    for scenario in (gloo_falls_back, routed_op_equals_eager, dtensor_all_reduce_routed_inside_inductor):
+    for scenario in (gloo_falls_back, routed_op_equals_eager, dtensor_all_reduce_routed_inside_inductor,
+                     fused_norm_op_falls_back):
         print(f"rank {dist.get_rank()}: {scenario()}: ok", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -281,6 +281,7 @@ def test_on_two_gloo_ranks_everything_falls_back_and_equals_eager():
         assert f"rank {rank}: gloo falls back: ok" in out, out
         assert f"rank {rank}: routed op equals eager: ok" in out, out
         assert f"rank {rank}: dtensor all-reduce routed inside inductor: ok" in out, out
+        assert f"rank {rank}: fused norm op falls back: ok" in out, out
 
 
 @pytest.mark.cuda
