@@ -42,6 +42,18 @@ def messages(layout: LamportLayout, world: int, dtype: torch.dtype) -> list[list
     return inputs
 
 
+def run_forked_ranks(world: int, target, *args) -> None:
+    """target(rank, *args) in one forked process per rank (the buffers mapped before the fork
+    sit at the same address in each), all of which must finish."""
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=240)
+    assert all(p.exitcode == 0 for p in ranks), f"expected every rank to finish, got exit codes {[p.exitcode for p in ranks]}"
+
+
 def run_rank(rank, layout, dtype, buffers, peers, inputs, outputs):
     lamport = LamportBuffer(layout, rank, dtype, buffers[rank], peers, handle=None)
     pause = random.Random(rank)
@@ -57,14 +69,7 @@ def main(world: int, dtype: torch.dtype) -> None:
     peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     inputs = messages(layout, world, dtype)
     outputs = [[torch.empty_like(x).share_memory_() for x in mine] for mine in inputs]
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=run_rank, args=(r, layout, dtype, buffers, peers, inputs, outputs))
-             for r in range(world)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=240)
-    assert all(p.exitcode == 0 for p in ranks), f"expected every rank to finish, got exit codes {[p.exitcode for p in ranks]}"
+    run_forked_ranks(world, run_rank, layout, dtype, buffers, peers, inputs, outputs)
     for call in range(len(inputs[0])):
         want = sum(without_negative_zero(inputs[r][call]).float() for r in range(world)).to(dtype)
         for rank in range(world):
@@ -106,14 +111,7 @@ def main_norm(world: int, dtype: torch.dtype) -> None:
     calls = norm_messages(world, dtype)
     outputs = [[(torch.empty_like(x).share_memory_(), torch.empty_like(x).share_memory_()) for x, *_ in mine]
                for mine in calls]
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=run_norm_rank, args=(r, layout, dtype, buffers, peers, calls, outputs))
-             for r in range(world)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(timeout=240)
-    assert all(p.exitcode == 0 for p in ranks), f"expected every rank to finish, got exit codes {[p.exitcode for p in ranks]}"
+    run_forked_ranks(world, run_norm_rank, layout, dtype, buffers, peers, calls, outputs)
     for call in range(len(calls[0])):
         total = sum(without_negative_zero(calls[r][call][0]).float() for r in range(world)).to(dtype)
         want_total, want_normed = add_rms_norm(total, *calls[0][call][1:])

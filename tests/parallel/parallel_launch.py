@@ -31,3 +31,14 @@ def torchrun(script: pathlib.Path, *args: str, timeout: int = 120, nproc: int = 
         pytest.fail(f"{script.name} hung for {timeout} s:\n{out[-2000:]}\n{err[-4000:]}")
     assert process.returncode == 0, out[-2000:] + err[-4000:]
     return out
+
+
+def interpreted_ranks(world: int, dtype: str, *mode: str) -> str:
+    """tests/parallel/lamport_interpret_worker.py on `world` forked ranks under Triton's CPU
+    interpreter; its output, after checking that it finished."""
+    worker = ROOT / "tests" / "parallel" / "lamport_interpret_worker.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(worker), str(world), dtype, *mode], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout

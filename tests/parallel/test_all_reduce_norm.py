@@ -6,9 +6,6 @@ interpreter on forked ranks, and on 2 GPUs the kernel eager and in graphs agains
 the unfused ops."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,7 @@ from cgcompile.parallel.all_reduce_norm import FUSED_OP, add_rms_norm, fuse_comp
 from cgcompile.parallel.inductor_all_reduce import RouteCompiledAllReduces
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
-from parallel_launch import ROOT, torchrun, two_gpus
+from parallel_launch import ROOT, interpreted_ranks, torchrun, two_gpus
 
 EPS = 1e-6
 
@@ -199,12 +196,7 @@ has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 @has_triton
 @pytest.mark.parametrize("world, dtype", [(2, "bf16"), (4, "fp32")])
 def test_the_fused_kernel_on_interpreted_ranks_equals_the_unfused_ops(world, dtype):
-    worker = ROOT / "tests" / "parallel" / "lamport_interpret_worker.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(worker), str(world), dtype, "norm"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert f"fused lamport kernel on {world} interpreted ranks" in done.stdout
+    assert f"fused lamport kernel on {world} interpreted ranks" in interpreted_ranks(world, dtype, "norm")
 
 
 @pytest.mark.cuda
