@@ -438,8 +438,9 @@ class Rewrites(_Group):
     fuse_all_reduce_norm: bool = option(True, _bool, doc="""
         Where a routed all-reduce's sum is added to a residual and RMS-normalised (every
         tensor-parallel pre-norm layer, twice), and its group runs the Lamport kernel, the three
-        run as one kernel at decode sizes (up to 8 rows, hidden size up to 8192); larger calls run
-        them one after the other as before. Results agree with the unfused graph's to rounding
+        run as one kernel in compiles whose sizes are fixed at decode sizes (up to 8 rows, hidden
+        size up to 8192): a batch-1 step's graph, `dynamic=False`, `compile_sizes`. Compiles for
+        several sizes keep the three apart. Results agree with the unfused graph's to rounding
         (the norm's sum runs in another order). Inductor pieces only; see
         `cgcompile.parallel.all_reduce_norm`.""")
 

@@ -47,6 +47,7 @@ class AllReduceNorm:
     eps: float
     group_name: str
     dtype: torch.dtype  # the sum's, the residual's and the weight's
+    shape: tuple  # the sum's (ints, or SymInts in a graph compiled for several sizes)
     erased: tuple[str, ...]
 
 
@@ -144,7 +145,8 @@ def _match(all_reduce: Node, order: dict[Node, int]) -> AllReduceNorm | None:
     if any(set(n.users) - inside for n in chain if n is not add):
         return None
     return AllReduceNorm(all_reduce.name, add.name, out.name, x.name, residual.name, weight.name,
-                         float(plus_eps.args[1]), group_name, dtype, tuple(n.name for n in chain + [out]))
+                         float(plus_eps.args[1]), group_name, dtype, tuple(total_value.shape),
+                         tuple(n.name for n in chain + [out]))
 
 
 def _is(node: Node, target) -> bool:

@@ -12,21 +12,26 @@ the program between them.
 Where it applies: inside Inductor's compile of a piece, the post-grad pass
 (`inductor_all_reduce.RouteCompiledAllReduces`) fuses the chains of routed all-reduces whose
 group runs the Lamport kernel (`Config.all_reduce="auto"`), unless
-`Config.fuse_all_reduce_norm` is off. Per call (at capture: replays run no Python) the op runs
-the fused kernel where it takes the call (`LamportNormBuffer.problem`: up to 8 rows, a hidden
-size up to 8192, within the group's Lamport byte limit); any other call runs the group's
-all-reduce (`cgcompile::all_reduce`: one-shot, two-shot or NCCL) and then the add and the norm
-as torch ops, the graph's own arithmetic, so a larger capture size is as correct as before.
+`Config.fuse_all_reduce_norm` is off, and only in a compile whose sizes are fixed and which the
+kernel takes (`why_not_fused`: up to 8 rows, a hidden size up to 8192, within the group's
+Lamport byte limit): a decode step's graph of one row (Dynamo specialises sizes of 1), a
+graph compiled with `dynamic=False`, a `compile_sizes` compile. Per call (at capture: replays
+run no Python) the op runs the fused kernel where it takes the call
+(`LamportNormBuffer.problem`, which also checks contiguity and alignment); any other call runs
+the group's all-reduce (`cgcompile::all_reduce`: one-shot, two-shot or NCCL) and then the add
+and the norm as torch ops, the graph's own arithmetic.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
 from ..passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
 from .all_reduce_choice import AllReduceChoice
+from .lamport_all_reduce import NORM_ROW, NORM_ROWS
 from .symm_all_reduce import ALL_REDUCE_OP, GROUPS
 
 log = logging.getLogger(__name__)
@@ -65,15 +70,36 @@ FUSED_OP = torch.ops.cgcompile.all_reduce_add_rms_norm.default
 
 def fuse_compiled_all_reduce_norms(gm: torch.fx.GraphModule, choice_of) -> int:
     """Fuse, in an aten graph inside an Inductor compile, every routed all-reduce + residual
-    add + RMS norm whose group runs the Lamport kernel (`choice_of(group_name)`, recorded at
-    set-up) in the chain's dtype. Runs no collective. Returns how many were fused."""
-    found = [c for c in find_all_reduce_norms(gm, ALL_REDUCE_OP) if _lamport_serves(choice_of(c.group_name), c.dtype)]
-    fused = fuse_all_reduce_norms(gm, found, FUSED_OP)
-    for chain in found:
-        log.info("cgcompile: all-reduce %s on group %r fused with the residual add %s and the RMS norm %s",
-                 chain.all_reduce, chain.group_name, chain.add, chain.norm)
-    return fused
+    add + RMS norm that the fused kernel will run at every call (`why_not_fused`). Runs no
+    collective. Returns how many were fused."""
+    found = []
+    for chain in find_all_reduce_norms(gm, ALL_REDUCE_OP):
+        why = why_not_fused(choice_of(chain.group_name), chain.dtype, chain.shape)
+        if why is None:
+            found.append(chain)
+            log.info("cgcompile: all-reduce %s on group %r fused with the residual add %s and the RMS norm %s",
+                     chain.all_reduce, chain.group_name, chain.add, chain.norm)
+        else:
+            log.info("cgcompile: all-reduce %s on group %r not fused with the RMS norm after it: %s",
+                     chain.all_reduce, chain.group_name, why)
+    return fuse_all_reduce_norms(gm, found, FUSED_OP)
 
 
-def _lamport_serves(choice: AllReduceChoice | None, dtype: torch.dtype) -> bool:
-    return choice is not None and choice.lamport and dtype in choice.dtypes
+def why_not_fused(choice: AllReduceChoice | None, dtype: torch.dtype, shape: tuple) -> str | None:
+    """Why a chain of this group, dtype and shape keeps its three steps (None: fuse it).
+
+    Only shapes the compile fixes are fused, and only where the kernel takes them: a graph
+    compiled for several sizes would send its larger calls down the op's unfused path, whose
+    torch ops cost more kernels than Inductor's own fused add and norm."""
+    if choice is None or not choice.lamport:
+        return "its group does not run the Lamport kernel"
+    if dtype not in choice.dtypes:
+        return f"{dtype}: the kernel takes {', '.join(map(str, choice.dtypes))}"
+    if not all(isinstance(d, int) for d in shape):
+        return f"sizes {list(shape)} are not fixed by this compile"
+    hidden, rows = shape[-1], math.prod(shape[:-1])
+    nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+    if rows > NORM_ROWS or hidden > NORM_ROW or nbytes > choice.lamport_max_bytes:
+        return (f"[{rows}, {hidden}] ({nbytes} bytes): the kernel takes up to {NORM_ROWS} rows, a hidden size "
+                f"up to {NORM_ROW} and {choice.lamport_max_bytes} bytes")
+    return None

@@ -13,7 +13,7 @@ import torch
 import cgcompile
 from cgcompile.build.compiler import PieceCompiler
 from cgcompile.parallel.all_reduce_choice import GroupFacts, choose_for_group
-from cgcompile.parallel.all_reduce_norm import FUSED_OP, add_rms_norm, fuse_compiled_all_reduce_norms
+from cgcompile.parallel.all_reduce_norm import FUSED_OP, add_rms_norm, fuse_compiled_all_reduce_norms, why_not_fused
 from cgcompile.parallel.inductor_all_reduce import RouteCompiledAllReduces
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
@@ -80,7 +80,7 @@ class _Stop(Exception):
     pass
 
 
-def post_grad_graph(fn, dtype=torch.bfloat16, rows=3, hidden=64):
+def post_grad_graph(fn, dtype=torch.bfloat16, rows=3, hidden=64, dynamic=False):
     """fn's aten graph as Inductor's post-grad passes see it (the compile stops there), and inputs."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -99,6 +99,9 @@ def post_grad_graph(fn, dtype=torch.bfloat16, rows=3, hidden=64):
     inputs = [torch.randn(rows, hidden, generator=generator).to(dtype) for _ in range(2)]
     inputs.append(torch.rand(hidden, generator=generator).to(dtype))
     with pytest.raises(Exception) as raised:
+        if dynamic:  # the rows: a compile for several batch sizes
+            for x in inputs[:2]:
+                torch._dynamo.mark_dynamic(x, 0)
         torch.compile(fn, backend="inductor", options={"post_grad_custom_post_pass": Keep()}, fullgraph=True)(*inputs)
     assert seen, raised.value
     return seen[0], inputs
@@ -171,6 +174,22 @@ def test_only_groups_with_the_lamport_kernel_get_the_fused_op():
         assert sum(n.target is FUSED_OP for n in gm.graph.nodes) == fused, choice
     gm, _ = post_grad_graph(transformers_norm)
     assert fuse_compiled_all_reduce_norms(gm, GroupRegistry().choice_of) == 0  # never set up
+
+
+@pytest.mark.parametrize("rows, hidden, dynamic, why", [
+    (3, 64, True, "not fixed by this compile"),  # a compile for several sizes
+    (9, 64, False, "up to 8 rows"),
+    (1, 16384, False, "hidden size up to 8192"),
+    (8, 8192, False, "65536 bytes"),  # 128 KiB of bf16: over the Lamport limit
+])
+def test_only_fixed_shapes_the_kernel_takes_are_fused(rows, hidden, dynamic, why):
+    gm, _ = post_grad_graph(transformers_norm, rows=rows, hidden=hidden, dynamic=dynamic)
+    assert len(find_all_reduce_norms(gm, ALL_REDUCE_OP)) == 1  # the chain is there
+    choice = choose_for_group("tp", GOOD)
+    chain = find_all_reduce_norms(gm, ALL_REDUCE_OP)[0]
+    assert why in why_not_fused(choice, chain.dtype, chain.shape)
+    assert fuse_compiled_all_reduce_norms(gm, registry_with(choice).choice_of) == 0
+    assert why_not_fused(choice, torch.bfloat16, (8, 4096)) is None  # 64 KiB: the limit itself
 
 
 def test_the_post_grad_pass_fuses_unless_told_not_to_and_keys_the_cache_by_it():
