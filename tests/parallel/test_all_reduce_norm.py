@@ -5,6 +5,8 @@ which groups get it, how the pass keys Inductor's cache, the fused kernel under 
 interpreter on forked ranks, and on 2 GPUs the kernel eager and in graphs against NCCL plus
 the unfused ops."""
 
+import copy
+import functools
 import importlib.util
 
 import pytest
@@ -81,7 +83,14 @@ class _Stop(Exception):
 
 
 def post_grad_graph(fn, dtype=torch.bfloat16, rows=3, hidden=64, dynamic=False):
-    """fn's aten graph as Inductor's post-grad passes see it (the compile stops there), and inputs."""
+    """fn's aten graph as Inductor's post-grad passes see it (the compile stops there), and
+    inputs: a copy of the graph, which is traced once per arguments (the rewrites change it)."""
+    gm, inputs = _traced(fn, dtype, rows, hidden, dynamic)
+    return copy.deepcopy(gm), inputs
+
+
+@functools.cache
+def _traced(fn, dtype, rows, hidden, dynamic):
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     seen = []
