@@ -31,7 +31,7 @@ import torch
 
 from ..passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
 from .all_reduce_choice import AllReduceChoice
-from .lamport_all_reduce import NORM_ROW, NORM_ROWS
+from .lamport_all_reduce import norm_shape_problem
 from .symm_all_reduce import ALL_REDUCE_OP, GROUPS
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,5 @@ def why_not_fused(choice: AllReduceChoice | None, dtype: torch.dtype, shape: tup
         return f"{dtype}: the kernel takes {', '.join(map(str, choice.dtypes))}"
     if not all(isinstance(d, int) for d in shape):
         return f"sizes {list(shape)} are not fixed by this compile"
-    hidden, rows = shape[-1], math.prod(shape[:-1])
-    nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
-    if rows > NORM_ROWS or hidden > NORM_ROW or nbytes > choice.lamport_max_bytes:
-        return (f"[{rows}, {hidden}] ({nbytes} bytes): the kernel takes up to {NORM_ROWS} rows, a hidden size "
-                f"up to {NORM_ROW} and {choice.lamport_max_bytes} bytes")
-    return None
+    return norm_shape_problem(math.prod(shape[:-1]), shape[-1], torch.empty((), dtype=dtype).element_size(),
+                              choice.lamport_max_bytes)

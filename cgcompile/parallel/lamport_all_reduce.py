@@ -122,10 +122,12 @@ def lamport_problem(world_size: int) -> str | None:
     return None
 
 
-class LamportBuffer:
+class _LamportSlots:
     """One rank's symmetric buffer for one dtype, the table of every rank's buffer address
     and the per-program phase counters: everything a graph's Lamport kernels read, made
-    once and kept for the life of the process."""
+    once and kept for the life of the process. The kernel that uses them is the subclass's."""
+
+    BLOCK_NAME = "BLOCK"  # the kernel's name for the elements a program owns (`layout.block`)
 
     def __init__(self, layout: LamportLayout, rank: int, dtype: torch.dtype, buffer: torch.Tensor,
                  peers: torch.Tensor, handle) -> None:
@@ -135,13 +137,13 @@ class LamportBuffer:
         self.phases = torch.zeros(layout.max_programs, dtype=torch.int32, device=buffer.device)
         self._handle = handle  # keeps the peers' mappings alive
         bits_dtype, sentinel = SENTINEL_BITS[dtype]
-        self._constants = dict(RANK=rank, WORLD=layout.world_size, PHASES=layout.phases, SLOT=layout.slot_numel,
-                               BLOCK=layout.block, VEC=ALIGNMENT // layout.element_size,
-                               BITS=_triton_int(bits_dtype), SENTINEL=sentinel, num_warps=NUM_WARPS)
+        self._constants = {"RANK": rank, "WORLD": layout.world_size, "PHASES": layout.phases,
+                           "SLOT": layout.slot_numel, self.BLOCK_NAME: layout.block,
+                           "VEC": ALIGNMENT // layout.element_size, "BITS": _triton_int(bits_dtype),
+                           "SENTINEL": sentinel, "num_warps": NUM_WARPS}
 
     @classmethod
-    def allocate(cls, group_name: str, dtype: torch.dtype, rank: int, world_size: int,
-                 device: torch.device) -> LamportBuffer:
+    def allocate(cls, group_name: str, dtype: torch.dtype, rank: int, world_size: int, device: torch.device):
         """Allocate, fill with the sentinel and rendezvous (a collective over the group).
         The caller synchronizes the device and meets every rank before the first call, so
         that no peer's data lands before this rank's fill."""
@@ -162,6 +164,19 @@ class LamportBuffer:
     def layout_for(cls, world_size: int, element_size: int) -> LamportLayout:
         return LamportLayout(world_size, element_size)
 
+    def _check_reset(self, what: str) -> None:
+        if not bool((self.buffer == SENTINEL_BITS[self.dtype][1]).all()):
+            raise RuntimeError(f"expected every slot back to the sentinel after the {what} self-check, got some not")
+
+    def _vectors(self, x: torch.Tensor) -> int:
+        nbytes = x.numel() * self.layout.element_size
+        assert nbytes % ALIGNMENT == 0, nbytes  # kind_for_call sends no other size here
+        return nbytes // ALIGNMENT
+
+
+class LamportBuffer(_LamportSlots):
+    """The plain all-reduce's buffer: programs of BLOCK elements of the message."""
+
     def compile(self) -> None:
         """Compile the kernel without running it: a rank whose compile fails must not leave
         its peers spinning, and no compile may happen inside a capture."""
@@ -173,15 +188,14 @@ class LamportBuffer:
     def check(self) -> None:
         """One all-reduce of (rank + 1) over a whole slot on every rank (a collective), against
         the exact sum, and the own slots back to the sentinel after it; raises where not."""
-        world, (_, sentinel) = self.layout.world_size, SENTINEL_BITS[self.dtype]
+        world = self.layout.world_size
         x = torch.full((self.layout.slot_numel,), float(self.rank + 1), dtype=self.dtype, device=self.buffer.device)
         got, want = self.all_reduce(x), world * (world + 1) // 2
         wrong = got[got != want]
         if wrong.numel():
             raise RuntimeError(f"expected the Lamport all-reduce's self-check to give {want} everywhere, got "
                                f"{wrong.numel()} other elements ({wrong[:4].tolist()}...)")
-        if not bool((self.buffer == sentinel).all()):
-            raise RuntimeError("expected every slot back to the sentinel after the Lamport self-check, got some not")
+        self._check_reset("Lamport")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, with no barrier (see the module's protocol)."""
@@ -192,11 +206,6 @@ class LamportBuffer:
             _kernel()[grid](x, out, self.peers, self.phases, self._vectors(x), **self._constants)
         return out
 
-    def _vectors(self, x: torch.Tensor) -> int:
-        nbytes = x.numel() * self.layout.element_size
-        assert nbytes % ALIGNMENT == 0, nbytes  # kind_for_call sends no other size here
-        return nbytes // ALIGNMENT
-
 
 # The fused kernel (`all_reduce_norm`): one program a row, each row owning NORM_ROW elements
 # of every slot, so a program index touches the same elements at every hidden size.
@@ -204,35 +213,39 @@ NORM_ROW = 8192  # the largest hidden size it takes (a power of 2: the program's
 NORM_ROWS = 8  # the most rows a call may have
 
 
-class LamportNormBuffer(LamportBuffer):
-    """A Lamport buffer of its own for the all-reduce fused with the residual add and RMS norm
-    after it (one program a row; `lamport_add_rms_norm_kernel`). The protocol and its argument
-    are the plain kernel's, per program index: the index is the row, whose part of each slot is
-    fixed."""
+def norm_shape_problem(rows: int, hidden: int, element_size: int, max_bytes: int) -> str | None:
+    """Why the fused kernel cannot take [rows, hidden] (None: it can); `max_bytes`: the group's
+    Lamport limit, where the kernel's latency wins."""
+    nbytes = rows * hidden * element_size
+    if not 0 < hidden <= NORM_ROW or (hidden * element_size) % ALIGNMENT:
+        return f"[{rows}, {hidden}]: the kernel takes a hidden size up to {NORM_ROW}, of whole {ALIGNMENT}-byte vectors"
+    if rows > NORM_ROWS or nbytes > max_bytes:
+        return f"[{rows}, {hidden}] ({nbytes} bytes): the kernel takes up to {NORM_ROWS} rows and {max_bytes} bytes"
+    return None
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._constants = {**{k: v for k, v in self._constants.items() if k != "BLOCK"}, "ROW": NORM_ROW}
+
+class LamportNormBuffer(_LamportSlots):
+    """The buffer of the all-reduce fused with the residual add and RMS norm after it (one
+    program a row; `lamport_add_rms_norm_kernel`). The protocol and its argument are the plain
+    kernel's, per program index: the index is the row, whose part of each slot is fixed."""
+
+    BLOCK_NAME = "ROW"
 
     @classmethod
     def layout_for(cls, world_size: int, element_size: int) -> LamportLayout:
         return LamportLayout(world_size, element_size, max_bytes=NORM_ROWS * NORM_ROW * element_size, block=NORM_ROW)
 
     def problem(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, max_bytes: int) -> str | None:
-        """Why the fused kernel cannot take this call (None: it can); `max_bytes`: the group's
-        Lamport limit, where the kernel's latency wins."""
+        """Why the fused kernel cannot take this call (None: it can)."""
         hidden = x.shape[-1] if x.dim() else 0
-        rows = x.numel() // hidden if hidden else 0
-        nbytes = x.numel() * self.layout.element_size
-        tensors = {"input": x, "residual": residual, "weight": weight}
         if x.dtype != self.dtype or residual.dtype != x.dtype or weight.dtype != x.dtype:
             return f"dtypes {x.dtype}, {residual.dtype}, {weight.dtype}: the kernel takes {self.dtype} for all three"
         if residual.shape != x.shape or tuple(weight.shape) != (hidden,):
             return f"shapes {list(x.shape)}, {list(residual.shape)}, {list(weight.shape)}: not [..., h], [..., h], [h]"
-        if not 0 < hidden <= NORM_ROW or (hidden * self.layout.element_size) % ALIGNMENT:
-            return f"hidden size {hidden}: the kernel takes up to {NORM_ROW} of whole {ALIGNMENT}-byte vectors"
-        if rows > NORM_ROWS or nbytes > max_bytes:
-            return f"{rows} rows ({nbytes} bytes): the kernel takes up to {NORM_ROWS} rows and {max_bytes} bytes"
+        why = norm_shape_problem(x.numel() // hidden if hidden else 0, hidden, self.layout.element_size, max_bytes)
+        if why:
+            return why
+        tensors = {"input": x, "residual": residual, "weight": weight}
         odd = [name for name, t in tensors.items() if not t.is_contiguous() or t.data_ptr() % ALIGNMENT]
         if odd:
             return f"{', '.join(odd)} not contiguous at a {ALIGNMENT}-byte aligned address"
@@ -247,15 +260,14 @@ class LamportNormBuffer(LamportBuffer):
     def check(self) -> None:
         """One fused call of (rank + 1) over every row a slot holds (a collective), residual
         0 and weight 1: the sums must be exact, the norms 1 (to rounding), the slots reset."""
-        world, (_, sentinel) = self.layout.world_size, SENTINEL_BITS[self.dtype]
+        world = self.layout.world_size
         x = torch.full((NORM_ROWS, NORM_ROW), float(self.rank + 1), dtype=self.dtype, device=self.buffer.device)
         total, normed = self.add_rms_norm(x, torch.zeros_like(x), torch.ones_like(x[0]), 0.0)
         want = world * (world + 1) // 2
         if bool((total != want).any()) or not bool(((normed.float() - 1).abs() < 1e-2).all()):
             raise RuntimeError(f"expected the fused Lamport all-reduce's self-check to give sums of {want} and "
                                f"norms of 1, got sums {total.unique()[:4].tolist()}, norms {normed.unique()[:4].tolist()}")
-        if not bool((self.buffer == sentinel).all()):
-            raise RuntimeError("expected every slot back to the sentinel after the fused self-check, got some not")
+        self._check_reset("fused Lamport")
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
