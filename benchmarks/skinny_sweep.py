@@ -1,0 +1,128 @@
+"""Every launch configuration of `skinny_linear`'s kernel on every weight shape a decoder has,
+against cuBLAS: the data behind `cgcompile.kernels.skinny_linear.choose_launch`.
+
+Each (shape, rows, launch) is timed as one CUDA graph of linears over distinct copies of
+the weight, enough copies that the L2 cache holds none, and reported as a share of the
+copy bandwidth. Outputs are checked against a float32 product first.
+
+    python benchmarks/skinny_sweep.py --json /tmp/sweep.json            # GPU machine, ~4 min
+    python benchmarks/skinny_sweep.py --shapes 1b-hf --rows 1 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from harness import environment, log, measure_peak_bandwidth, synchronize, time_steps, write_json
+
+from cgcompile.kernels.skinny_linear import Launch, choose_launch, skinny_linear_kernel_call
+
+# (out_features, in_features) of one layer's linears as the models run them
+SHAPES = {
+    "1b-hf": [(2048, 2048), (256, 2048), (5632, 2048), (2048, 5632), (32000, 2048)],  # TinyLlama, unfused
+    "1b-fused": [(2560, 2048), (11264, 2048)],  # the same with q/k/v and gate/up fused
+    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1024, 4096), (14336, 4096)],
+    "8b-tp2": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
+    "8b-tp4": [(1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)],
+    "70b-tp4": [(2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168)],
+    "heads": [(128256, 4096), (64128, 4096)],
+}
+L2_BYTES = 64 * 2**20
+
+
+def candidates(quick: bool) -> list[Launch]:
+    plain = [Launch(bn, bk, w, s, False) for bn, bk, w, s in itertools.product(
+        (1, 2, 4, 8) if not quick else (2, 4), (256, 512, 1024), (4, 8), (1, 3))]
+    dot = [Launch(bn, bk, w, s, True) for bn, bk, w, s in itertools.product(
+        (16, 32, 64) if not quick else (16,), (128, 256), (4,), (3,))]
+    return plain + dot
+
+
+def time_launch(ws, xs, launch, device, replays: int):
+    """ms per linear, or None where the launch does not compile or run."""
+    def step():
+        for w, x in zip(ws, xs):
+            if launch == "cublas":
+                F.linear(x, w)
+            else:
+                skinny_linear_kernel_call(x, w, None, launch)
+
+    try:
+        step()
+        synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as e:  # a launch whose registers or shared memory do not fit
+        log(f"  {launch}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        return None
+    return statistics.median(time_steps(lambda i: graph.replay(), replays, 1, device)) / len(ws)
+
+
+def check(x, w, launch) -> float:
+    ref = F.linear(x.float(), w.float())
+    out = skinny_linear_kernel_call(x, w, None, launch).float()
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--rows", default="1,4,8")
+    p.add_argument("--quick", action="store_true", help="a few launches only")
+    p.add_argument("--replays", type=int, default=10)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    peak = measure_peak_bandwidth(device)
+    log(f"copy bandwidth {peak:.0f} GB/s")
+    launches = candidates(args.quick)
+    shapes = sorted({s for name in args.shapes.split(",") for s in SHAPES[name]})
+    rows_out = []
+    print(f"{'n':>7} {'k':>6} {'m':>2} {'cublas':>7} {'chosen':>7} {'best':>7}  best launch", flush=True)
+    with torch.inference_mode():
+        for (n, k), m in itertools.product(shapes, (int(r) for r in args.rows.split(","))):
+            nbytes = n * k * 2
+            copies = max(2, -(-3 * L2_BYTES // nbytes))
+            torch.manual_seed(0)
+            ws = [torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5 for _ in range(copies)]
+            xs = [torch.randn(m, k, dtype=dtype, device=device) for _ in range(copies)]
+            share = lambda ms: nbytes / ms / 1e6 / peak if ms else 0.0  # noqa: E731
+            cublas = time_launch(ws, xs, "cublas", device, args.replays)
+            chosen = choose_launch(m, n, k)
+            error = check(xs[0], ws[0], chosen)
+            timed = {}
+            for launch in launches:
+                try:
+                    bad = check(xs[0], ws[0], launch)
+                except Exception as e:  # registers or shared memory that do not fit
+                    log(f"  {n}x{k} m={m} {launch}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    continue
+                if bad > 2e-2:  # a wrong launch is reported, never chosen
+                    log(f"  {n}x{k} m={m} {launch}: relative error {bad:.1e}")
+                    continue
+                ms = time_launch(ws, xs, launch, device, args.replays)
+                if ms is not None:
+                    timed[launch] = ms
+            best = min(timed, key=timed.get)
+            chosen_ms = timed.get(chosen) or time_launch(ws, xs, chosen, device, args.replays)
+            print(f"{n:>7} {k:>6} {m:>2} {share(cublas):>7.0%} {share(chosen_ms):>7.0%} {share(timed[best]):>7.0%}"
+                  f"  {best} err {error:.1e}", flush=True)
+            top = sorted(timed, key=timed.get)[:5]
+            rows_out.append({"n": n, "k": k, "m": m, "cublas_ms": cublas, "chosen_ms": chosen_ms,
+                             "max_rel_error": error,
+                             "top": [{**vars(t), "ms": timed[t]} for t in top],
+                             "all": [{**vars(t), "ms": ms} for t, ms in timed.items()]})
+            del ws, xs
+    if args.json:
+        write_json(args.json, {"environment": environment(device), "peak_gbs": peak, "rows": rows_out})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
