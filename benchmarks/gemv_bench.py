@@ -11,6 +11,8 @@ one CUDA graph, and reports the share of the copy bandwidth each kernel choice r
   reduction-cd  the same with Inductor's coordinate-descent tuning of the launch
   autotune      Inductor's max-autotune of the mm (Triton templates beside cuBLAS); slow to
                 compile, so only with --variants naming it
+  skinny        cgcompile::skinny_linear (Config.skinny_linears): its Triton kernel at one row
+                and up to 4096 output features, cuBLAS otherwise
 
     python benchmarks/gemv_bench.py                          # GPU machine, ~2 min
     python benchmarks/gemv_bench.py --shapes 1b --rows 1 --variants cublas,reduction
@@ -27,14 +29,20 @@ import torch.nn.functional as F
 
 from harness import environment, guarded, log, measure_peak_bandwidth, synchronize, time_steps, write_json
 
+from cgcompile.kernels.skinny_linear import skinny_linear
+
 # (out_features, in_features) of one decoder layer's linears
 LAYER_SHAPES = {
     "1b": [(2048, 2048), (1024, 2048), (1024, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)],
     "8b": [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)],
     "8b-tp2": [(2048, 4096), (512, 4096), (512, 4096), (4096, 2048), (7168, 4096), (7168, 4096), (4096, 7168)],
+    # TinyLlama-1.1B's linears, as transformers runs them (q, k, v, o, gate, up, down)
+    "1b-hf": [(2048, 2048), (256, 2048), (256, 2048), (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)],
+    # the project's tensor-parallel decoder at TP=2: q/k/v and gate/up fused
+    "8b-tp2-fused": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
     "tiny": [(64, 32), (32, 32), (32, 64)],
 }
-LAYERS = {"1b": 4, "8b": 2, "8b-tp2": 4, "tiny": 2}  # enough distinct weights to exceed the L2 cache
+LAYERS = {"1b": 4, "8b": 2, "8b-tp2": 4, "1b-hf": 4, "8b-tp2-fused": 4, "tiny": 2}  # enough distinct weights to exceed the L2 cache
 
 
 def linear_as_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -43,12 +51,12 @@ def linear_as_reduction(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def make_step(variant: str):
     """fn(xs, ws): every linear of the set; compiled where the variant compiles."""
-    op = F.linear if variant in ("cublas", "autotune") else linear_as_reduction
+    op = {"cublas": F.linear, "autotune": F.linear, "skinny": skinny_linear}.get(variant, linear_as_reduction)
 
     def step(xs, ws):
         return [op(x, w) for x, w in zip(xs, ws)]
 
-    if variant == "cublas":
+    if variant in ("cublas", "skinny"):
         return step
     options = {"reduction": {}, "reduction-cd": {"coordinate_descent_tuning": True},
                "autotune": {"max_autotune": True, "max_autotune_gemm_backends": "TRITON,ATEN"}}[variant]

@@ -194,6 +194,8 @@ def parse_args(argv=None):
                         "decode model has them")
     p.add_argument("--matvec-reduction", action="store_true",
                    help="Config(matvec_as_reduction=True): one-row linears as Inductor reductions, not cuBLAS")
+    p.add_argument("--no-skinny", action="store_true",
+                   help="Config(skinny_linears=False): one-row linears keep cuBLAS")
     p.add_argument("--coordinate-descent", action="store_true",
                    help='Config(inductor_options={"coordinate_descent_tuning": True}): Inductor tunes every kernel')
     p.add_argument("--profile-generate", action="store_true",
@@ -217,6 +219,7 @@ def main(argv=None) -> int:
     peak_gbs = measure_peak_bandwidth(device) if device.type == "cuda" else None
     floor = floor_ms(weight_bytes, peak_gbs) if peak_gbs else None
     config = cgcompile.Config(fuse_sibling_linears=args.fuse_sibling_linears, matvec_as_reduction=args.matvec_reduction,
+                              skinny_linears=not args.no_skinny,
                               inductor_options={"coordinate_descent_tuning": True} if args.coordinate_descent else {})
     if device.type != "cuda":
         config = dataclasses.replace(config, compiler="eager")
@@ -241,7 +244,8 @@ def main(argv=None) -> int:
     backends = (("plain loop", loop.backend), ("generate()", backend))
     for name, stats in ((name, b.stats) for name, b in backends if b is not None):
         print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
-              f"{stats.piecewise_calls} piecewise; {stats.matvec_reductions} one-row linears as reductions; "
+              f"{stats.piecewise_calls} piecewise; {stats.matvec_reductions} one-row linears as reductions, "
+              f"{stats.skinny_linears} as skinny linears; "
               f"{stats.fused_linears} linears fused, {stats.shared_fused_weights} "
               f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies; "
               f"full-graph choices {stats.full_graph_choices}; piecewise because {stats.piecewise_reasons}")

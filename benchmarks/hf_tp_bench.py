@@ -71,6 +71,8 @@ def parse_args():
     p.add_argument("--compiler", default="inductor", choices=["inductor", "eager"],
                    help="Config.compiler (the all-reduces only DTensor's dispatch shows need inductor)")
     p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
+    p.add_argument("--no-skinny", action="store_true",
+                   help="Config(skinny_linears=False): one-row linears keep cuBLAS")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
@@ -255,7 +257,8 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
     for all_reduce, dropped in ((a, d) for a in all_reduces for d in drops):
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
-                                                     capture_error_mode="thread_local"))
+                                                     capture_error_mode="thread_local",
+                                                     skinny_linears=not args.no_skinny))
         options = {"guard_filter_fn": without_parameter_spec_guards} if dropped else None
         model.forward = torch.compile(eager_forward, backend=backend, options=options)
         variant = f"{prefix}-cgcompile" + ("-nospec" if dropped else "")

@@ -40,6 +40,7 @@ def parse_args():
     p.add_argument("--variant", default="full-sq", choices=["piecewise", "full", "full-sq"])
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
     p.add_argument("--no-fuse-norm", action="store_true", help="Config(fuse_all_reduce_norm=False)")
+    p.add_argument("--no-skinny", action="store_true", help="Config(skinny_linears=False)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
     return p.parse_args()
@@ -64,7 +65,7 @@ def kernel_table(prof, steps: int, top: int) -> list[str]:
 
 def main():
     args = parse_args()
-    bench.ALL_REDUCE, bench.FUSE_NORM = args.all_reduce, not args.no_fuse_norm
+    bench.ALL_REDUCE, bench.FUSE_NORM, bench.SKINNY = args.all_reduce, not args.no_fuse_norm, not args.no_skinny
     with torchrun_worker("cuda") as device, torch.inference_mode():
         use_length_independent_attention_kernels()
         llama = bench.build_llama(bench.CONFIGS[args.model], device, torch.bfloat16)

@@ -79,6 +79,7 @@ class Backend:
             dict(self.config.compile.inductor_options), dict(self.config.compile.size_inductor_options),
             all_reduce=self.config.rewrites.all_reduce, matvec_as_reduction=self.config.compile.matvec_as_reduction,
             fuse_all_reduce_norm=self.config.rewrites.fuse_all_reduce_norm,
+            skinny_linears=self.config.compile.skinny_linears,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
@@ -109,6 +110,7 @@ class Backend:
             specialised_compilations=self._compiler.specialised_compilations,  # made at first calls
             specialise_s=self._compiler.specialise_s,
             matvec_reductions=self._compiler.matvec_reductions,
+            skinny_linears=self._compiler.skinny_linears,
             graphs_captured=self.session.graphs_captured,
         )
         for name, value in reported.items():

@@ -6,7 +6,7 @@ and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
 (`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`,
 `linear_as_reduction`), which
-run with the graph.
+run with the graph. `rewrite_skinny_linears` inserts the op its caller hands it.
 Shipped as `cgcompile.passes`.
 """
 
@@ -20,6 +20,7 @@ from .grouped_query import fold_grouped_query_attention
 from .host_constants import hoist_host_constants
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
+from .skinny_linear import SkinnyLinear, find_skinny_linears, rewrite_skinny_linears
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
 from .matvec_reduction import linear_as_reduction, matvec_as_reduction
@@ -34,12 +35,14 @@ __all__ = [
     "PaddingHazard",
     "PieceSpec",
     "SplitGraph",
+    "SkinnyLinear",
     "SplitReason",
     "address",
     "classify_nodes",
     "example_value",
     "find_capture_dim",
     "find_padding_hazards",
+    "find_skinny_linears",
     "find_state_hazards",
     "fold_grouped_query_attention",
     "free_symbols",
@@ -54,6 +57,7 @@ __all__ = [
     "matvec_as_reduction",
     "plan_full_graph",
     "read_scalars_from_device",
+    "rewrite_skinny_linears",
     "show_address",
     "split_graph",
     "tensors_in",

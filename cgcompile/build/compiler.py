@@ -48,8 +48,8 @@ import torch
 from ..compat import (free_unbacked_symbols, inductor_compile, shape_env_of, size_facts,
                      value_range_within)
 from ..ops import call_without_cudnn_attention
-from ..parallel.inductor_all_reduce import all_reduce_pass, compiling_with
 from ..passes import PieceSpec, example_value, free_symbols, lower_small_query_attention, matvec_as_reduction
+from .post_grad import compiling_with, post_grad_pass
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +178,21 @@ class PieceCompiler:
         that routes the aten graph's all-reduces (`parallel.inductor_all_reduce`) in
         Inductor's config, and keys the compiles by it; with `fuse_all_reduce_norm` the pass
         also fuses all-reduces with the residual add and RMS norm after them.
+    skinny_linears: `Config.skinny_linears`; the same pass hands products of one row to
+        `cgcompile::skinny_linear` (`build.post_grad`).
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
                  inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
-                 all_reduce: str = "nccl", matvec_as_reduction: bool = False, fuse_all_reduce_norm: bool = True):
+                 all_reduce: str = "nccl", matvec_as_reduction: bool = False, fuse_all_reduce_norm: bool = True,
+                 skinny_linears: bool = False):
         self.compiler = compiler
         self.matvec_as_reduction = matvec_as_reduction
         self.matvec_reductions = 0  # one-row linears compiled as reductions (Config.matvec_as_reduction)
         self.compile_sizes = frozenset(compile_sizes)
         self.inductor_options = dict(inductor_options or {})
         self.size_options = {**self.inductor_options, **(size_options or {})}
-        self.all_reduce_pass = all_reduce_pass(self.inductor_options, all_reduce, fuse_all_reduce_norm)
+        self.post_grad_pass = post_grad_pass(self.inductor_options, all_reduce, fuse_all_reduce_norm, skinny_linears)
         self.cache = CompileCache()
 
     @property
@@ -252,14 +255,20 @@ class PieceCompiler:
         """Compile-key options, with the graph rewrites that change what is compiled."""
         return {**options, "matvec_as_reduction": True} if self.matvec_as_reduction else options
 
+    @property
+    def skinny_linears(self) -> int:
+        """Products handed to the skinny linear op by the compiles Inductor ran."""
+        return 0 if self.post_grad_pass is None else self.post_grad_pass.rewritten_linears
+
     def _inductor(self, compile_fn: Callable, *args) -> Callable:
-        """compile_fn(*args) with the all-reduce post-grad pass in Inductor's config."""
-        with compiling_with(self.all_reduce_pass):
+        """compile_fn(*args) with the post-grad pass in Inductor's config."""
+        with compiling_with(self.post_grad_pass):
             return compile_fn(*args)
 
     def _keyed(self, options: dict[str, Any]) -> dict[str, Any]:
-        """The options a compile is keyed by: with the pass (its recorded choices) where there is one."""
-        return options if self.all_reduce_pass is None else {**options, "all_reduce_pass": self.all_reduce_pass}
+        """The options a compile is keyed by: with the post-grad pass (its rewrites and recorded
+        all-reduce choices) where there is one."""
+        return options if self.post_grad_pass is None else {**options, "post_grad_pass": self.post_grad_pass}
 
 
 def describe_input(value) -> str:

@@ -1,16 +1,16 @@
-"""`cgcompile::skinny_linear`: `F.linear` for inputs of a few rows, at the weight's read speed.
+"""`cgcompile::skinny_linear`: `F.linear` of one row (a batch-1 decode step), at the weight's read speed.
 
-At one to eight rows (a decode step's tokens) a linear reads its whole weight to make a
-few outputs per feature, so its time is the weight's bytes over the share of the memory
-bandwidth its kernel reaches. cuBLAS picks its kernels for matrix products; at these
-sizes they read the weights of a tensor-parallel shard or a 1B decoder at 40-60% of the
-copy bandwidth (`benchmarks/gemv_bench.py`). `skinny_linear_kernel` reads each weight
-element once, applies every row to it, and sums in float32.
+At one row a linear reads its whole weight to make one output per feature, so its time is
+the weight's bytes over the share of the memory bandwidth its kernel reaches. cuBLAS's
+kernels for these products read a weight of up to 4096 output features at 32-61% of the
+copy bandwidth on an H200, `skinny_linear_kernel` at 42-89% (1.06x to 1.9x faster,
+`benchmarks/skinny_sweep.py`: every launch configuration per shape, against cuBLAS).
+Beyond 4096 features cuBLAS is level or ahead, and at 4 or 8 rows its tensor-core kernels
+beat this kernel's best form (which multiplied the rows on the tensor cores): so the op
+takes one row and at most `MAX_FEATURES` output features (`kernel_problem`).
 
-The op takes any input: it runs the kernel where `kernel_problem` finds nothing against
-it (CUDA, bf16/fp16, at most `MAX_ROWS` rows, unit stride along the features, Triton
-importable) and `F.linear` otherwise, so a compile with a symbolic row count stays valid
-for every size, and its backward is `F.linear`'s.
+The op takes any operands: it runs the kernel where `kernel_problem` finds nothing against
+it and `F.linear` otherwise, so a graph that calls it is valid at every size.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 8  # beyond this cuBLAS's tensor-core kernels read the weight as fast
+MAX_FEATURES = 4096  # output features; beyond, cuBLAS read as fast (benchmarks/skinny_sweep.py)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -31,20 +31,18 @@ class Launch:
 
     block_n: int  # output features per program
     block_k: int  # input features per step of the loop
-    num_warps: int
-    num_stages: int
-    dot: bool  # rows on the tensor cores (padded to 16) instead of a float32 multiply-add
-
-    def rows(self, m: int) -> int:
-        return 16 if self.dot else max(1, 1 << (m - 1).bit_length())
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def choose_launch(m: int, n: int, k: int) -> Launch:
-    """The launch for an [m, k] x [n, k]^T product (see `benchmarks/gemv_bench.py --sweep`)."""
-    block_k = 512 if k % 512 == 0 else 256
-    if m == 1:
-        return Launch(block_n=4, block_k=block_k, num_warps=4, num_stages=3, dot=False)
-    return Launch(block_n=16, block_k=min(block_k, 256), num_warps=4, num_stages=3, dot=True)
+def choose_launch(n: int, k: int) -> Launch:
+    """The launch for a [k] x [n, k]^T product. On an H200 (`benchmarks/skinny_sweep.py`), n / 512
+    features a program (a power of 2, 1 to 8) in steps of 1024 along K came within 6% of
+    the best of 48 launches at every shape measured up to 4096 features."""
+    block_n = 1
+    while block_n < 8 and block_n * 2 * 512 <= n:
+        block_n *= 2
+    return Launch(block_n=block_n, block_k=min(1024, triton_next_power_of_2(k)))
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -54,10 +52,12 @@ def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return f"the input is on {x.device.type}, the kernel runs on CUDA"
     if x.dtype not in HALF_DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         return f"dtypes {x.dtype}/{weight.dtype}; the kernel takes bf16 or fp16, all operands alike"
-    if not 1 <= rows <= MAX_ROWS:
-        return f"{rows} rows; the kernel takes 1 to {MAX_ROWS}"
-    if weight.dim() != 2 or weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
-        return "the weight is not a matrix with unit stride along its input features"
+    if rows != 1:
+        return f"{rows} rows; the kernel takes one"
+    if weight.dim() != 2 or weight.shape[0] > MAX_FEATURES:
+        return f"a weight of shape {tuple(weight.shape)}; the kernel takes up to {MAX_FEATURES} output features"
+    if weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
+        return "the weight does not have unit stride along its input features"
     if not _triton_available():
         return "triton cannot be imported"
     return None
@@ -69,22 +69,38 @@ def skinny_linear_kernel_call(x: torch.Tensor, weight: torch.Tensor, bias: torch
     from .skinny_linear_kernel import skinny_linear_kernel
 
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    launch = launch or choose_launch(m, n, k)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton_cdiv(n, launch.block_n),)
-    skinny_linear_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), weight.stride(0), y.stride(0),
-        ROWS=launch.rows(m), BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % launch.block_k == 0, DOT=launch.dot, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    row = x.reshape(k)
+    if row.stride(0) != 1:
+        row = row.contiguous()
+    launch = launch or choose_launch(n, k)
+    y = torch.empty(n, dtype=x.dtype, device=x.device)
+    skinny_linear_kernel[(triton_cdiv(n, launch.block_n),)](
+        row, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None, EVEN_K=k % launch.block_k == 0,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     return y.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("cgcompile::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`: by the kernel where `kernel_problem` allows, else by F.linear.
+    Inserted into Inductor's post-grad graphs (after autograd), so it has no backward."""
+    if kernel_problem(x, weight, bias) is None:
+        return skinny_linear_kernel_call(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@skinny_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _triton_available() -> bool:

@@ -20,10 +20,9 @@ NCCL all-reduce directly: there the fast path needs Inductor pieces.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -31,11 +30,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from ..passes import all_reduce_norm as norm_rewrite
 from ..passes import fast_all_reduce as rewrite
 from . import all_reduce_choice, all_reduce_norm, fast_all_reduce, lamport_all_reduce, symm_all_reduce
-from .all_reduce_choice import NCCL
 
 log = logging.getLogger(__name__)
-
-POST_GRAD_PASS = "post_grad_custom_post_pass"  # the Inductor option the pass goes in
 
 
 class RouteCompiledAllReduces(CustomGraphPass):
@@ -72,36 +68,3 @@ def _sources_hash() -> str:
     modules = (rewrite, norm_rewrite, all_reduce_choice, all_reduce_norm, fast_all_reduce, lamport_all_reduce,
                symm_all_reduce)
     return get_hash_for_files(tuple(m.__file__ for m in modules)).hex()
-
-
-def all_reduce_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True) -> RouteCompiledAllReduces | None:
-    """The post-grad pass piece compiles run under where `Config.all_reduce` is not "nccl"
-    (`fuse_norm`: `Config.fuse_all_reduce_norm`); None for "nccl", or where the user's
-    Inductor `options` set their own post-grad pass (torch runs one): then the aten-level
-    route and the fusion are off, with a warning."""
-    if all_reduce == NCCL:
-        return None
-    if options.get(POST_GRAD_PASS) is not None:
-        _warn_user_pass_kept()
-        return None
-    return RouteCompiledAllReduces(fuse_norm=fuse_norm)
-
-
-@contextlib.contextmanager
-def compiling_with(route: RouteCompiledAllReduces | None) -> Iterator[None]:
-    """Inductor's config with `route` as its post-grad pass, for the compiles inside (the
-    user's options, which compile_fx patches in its turn, come on top)."""
-    if route is None:
-        yield
-        return
-    import torch._inductor.config as inductor_config
-
-    with inductor_config.patch({POST_GRAD_PASS: route}):
-        yield
-
-
-@functools.cache
-def _warn_user_pass_kept() -> None:
-    log.warning("cgcompile: inductor_options set %s, so all-reduces that only Inductor's aten graph shows "
-                "(DTensor's) keep NCCL and no all-reduce is fused with the RMS norm after it; those of the "
-                "Dynamo graph are still routed", POST_GRAD_PASS)

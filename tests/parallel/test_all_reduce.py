@@ -19,7 +19,8 @@ from cgcompile.parallel.all_reduce_choice import (
 )
 from cgcompile.build.compiler import PieceCompiler
 from cgcompile.parallel.fast_all_reduce import route_compiled_all_reduces, route_graph_all_reduces
-from cgcompile.parallel.inductor_all_reduce import POST_GRAD_PASS, RouteCompiledAllReduces, all_reduce_pass
+from cgcompile.build.post_grad import POST_GRAD_PASS, post_grad_pass
+from cgcompile.parallel.inductor_all_reduce import RouteCompiledAllReduces
 from cgcompile.parallel.symm_all_reduce import ALL_REDUCE_OP, FastGroup, GroupRegistry
 from cgcompile.passes.fast_all_reduce import find_all_reduces, op_name, route_all_reduces
 from parallel_launch import ROOT, torchrun, two_gpus
@@ -256,10 +257,11 @@ def test_the_inductor_pass_keys_the_cache_by_the_recorded_choices():
 
 
 def test_pieces_compile_with_the_pass_unless_all_reduce_is_nccl():
-    assert isinstance(PieceCompiler("inductor", all_reduce="auto").all_reduce_pass, RouteCompiledAllReduces)
-    assert PieceCompiler("inductor", all_reduce="nccl").all_reduce_pass is None
+    assert isinstance(PieceCompiler("inductor", all_reduce="auto").post_grad_pass.all_reduces, RouteCompiledAllReduces)
+    assert PieceCompiler("inductor", all_reduce="nccl").post_grad_pass is None
+    assert PieceCompiler("inductor", all_reduce="nccl", skinny_linears=True).post_grad_pass.all_reduces is None
     mine = RouteCompiledAllReduces(GroupRegistry())
-    assert all_reduce_pass({POST_GRAD_PASS: mine}, "auto") is None  # the user's own pass is kept
+    assert post_grad_pass({POST_GRAD_PASS: mine}, "auto") is None  # the user's own pass is kept
 
 
 def test_the_pass_is_in_inductors_config_during_a_piece_compile_only():
@@ -268,8 +270,8 @@ def test_the_pass_is_in_inductors_config_during_a_piece_compile_only():
     seen = []
     compiler = PieceCompiler("inductor", all_reduce="auto")
     compiler._inductor(lambda: seen.append(getattr(inductor_config, POST_GRAD_PASS)))
-    assert seen == [compiler.all_reduce_pass]
-    assert getattr(inductor_config, POST_GRAD_PASS) is not compiler.all_reduce_pass
+    assert seen == [compiler.post_grad_pass]
+    assert getattr(inductor_config, POST_GRAD_PASS) is not compiler.post_grad_pass
 
 
 # -- 2 ranks ------------------------------------------------------------------------------

@@ -213,9 +213,9 @@ def test_the_post_grad_pass_fuses_unless_told_not_to_and_keys_the_cache_by_it():
 
 def test_config_turns_the_fusion_off_for_piece_compiles():
     assert cgcompile.Config().rewrites.fuse_all_reduce_norm
-    assert PieceCompiler("inductor", all_reduce="auto").all_reduce_pass.fuse_norm
+    assert PieceCompiler("inductor", all_reduce="auto").post_grad_pass.all_reduces.fuse_norm
     off = PieceCompiler("inductor", all_reduce="auto", fuse_all_reduce_norm=False)
-    assert not off.all_reduce_pass.fuse_norm
+    assert not off.post_grad_pass.all_reduces.fuse_norm
 
 
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (its interpreter)")

@@ -1,0 +1,103 @@
+"""Inductor's post-grad pass for piece compiles: the rewrites of the aten graph that Config turns on.
+
+Inductor runs one custom post-grad pass (`POST_GRAD_PASS`), on every forward and backward
+graph it compiles. `PostGradPass` runs, in order:
+
+- the all-reduce route and its fusion with the residual add and RMS norm
+  (`parallel.inductor_all_reduce.RouteCompiledAllReduces`, `Config.all_reduce` not "nccl");
+- products of one row handed to `cgcompile::skinny_linear` (`Config.skinny_linears`,
+  `passes.skinny_linear`): after the all-reduce fusion, which reads the products' outputs
+  whatever makes them.
+
+Why it is sound with Inductor's FX graph cache: the cache keys a compile by `uuid()`, the
+hash of the sources that decide each rewrite and the all-reduce choices, so a compile made
+under one set of rewrites is never served under another. Where the user's Inductor options
+set their own post-grad pass, torch runs that one: cgcompile's rewrites are off, with a
+warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ..kernels import skinny_linear
+from ..parallel.all_reduce_choice import NCCL
+from ..parallel.inductor_all_reduce import RouteCompiledAllReduces
+from ..passes import skinny_linear as skinny_rewrite
+
+log = logging.getLogger(__name__)
+
+POST_GRAD_PASS = "post_grad_custom_post_pass"  # the Inductor option the pass goes in
+
+
+class PostGradPass(CustomGraphPass):
+    """The post-grad rewrites of one PieceCompiler. `rewritten_linears` counts the products
+    handed to the skinny linear op by the compiles Inductor ran (a compile served from
+    Inductor's cache runs no pass)."""
+
+    def __init__(self, all_reduces: RouteCompiledAllReduces | None = None, skinny_linears: bool = False):
+        self.all_reduces = all_reduces
+        self.skinny_linears = skinny_linears
+        self.rewritten_linears = 0
+
+    def __call__(self, graph) -> None:
+        # torch hands a Graph (older releases: its GraphModule); each rewrite recompiles the module.
+        gm = graph if isinstance(graph, torch.fx.GraphModule) else graph.owning_module
+        if self.all_reduces is not None:
+            self.all_reduces(gm)
+        if self.skinny_linears:
+            self.rewritten_linears += skinny_rewrite.rewrite_skinny_linears(
+                gm, torch.ops.cgcompile.skinny_linear.default, skinny_linear.MAX_FEATURES)
+
+    def uuid(self) -> Any:
+        return (None if self.all_reduces is None else self.all_reduces.uuid(),
+                _skinny_sources_hash() if self.skinny_linears else None)
+
+    def __repr__(self) -> str:
+        # Part of cgcompile's own compile keys (`compiler.options_key`): no address.
+        return f"{type(self).__name__}({self.all_reduces!r}, skinny_linears={self.skinny_linears})"
+
+
+def post_grad_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True,
+                   skinny_linears: bool = False) -> PostGradPass | None:
+    """The pass piece compiles run under (None: nothing to rewrite, or the user's Inductor
+    `options` set their own post-grad pass)."""
+    routes = all_reduce != NCCL
+    if not routes and not skinny_linears:
+        return None
+    if options.get(POST_GRAD_PASS) is not None:
+        _warn_user_pass_kept()
+        return None
+    return PostGradPass(RouteCompiledAllReduces(fuse_norm=fuse_norm) if routes else None, skinny_linears)
+
+
+@contextlib.contextmanager
+def compiling_with(rewrites: PostGradPass | None) -> Iterator[None]:
+    """Inductor's config with `rewrites` as its post-grad pass, for the compiles inside (the
+    user's options, which compile_fx patches in its turn, come on top)."""
+    if rewrites is None:
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({POST_GRAD_PASS: rewrites}):
+        yield
+
+
+@functools.cache
+def _skinny_sources_hash() -> str:
+    return get_hash_for_files((skinny_rewrite.__file__, skinny_linear.__file__)).hex()
+
+
+@functools.cache
+def _warn_user_pass_kept() -> None:
+    log.warning("cgcompile: inductor_options set %s, so cgcompile's post-grad rewrites are off: all-reduces that "
+                "only Inductor's aten graph shows (DTensor's) keep NCCL, none is fused with the RMS norm after "
+                "it, and one-row linears keep cuBLAS (Config.skinny_linears); the Dynamo graph's all-reduces "
+                "are still routed", POST_GRAD_PASS)
