@@ -8,6 +8,8 @@
 #   tp_8b_n2_auto  8B decode step, TP=2 and TP=1 (rank 0), batch 1 and 8, fast all-reduce
 #   tp_8b_n2_unfused  the TP=2 step with Config.fuse_all_reduce_norm off (each all-reduce, residual
 #                  add and RMS norm apart), beside tp_8b_n2_auto's fused one
+#   tp_8b_n2_cublas  the TP=2 and TP=1 steps with Config.skinny_linears off (one-row linears on
+#                  cuBLAS), beside tp_8b_n2_auto's
 #   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
 #   tp_8b_n4_unfused  (N=4) the TP=4 step unfused
 #   tp_70b_n4      (N=4) 70B-class shape at TP=4 (each rank builds its shard), against the
@@ -83,6 +85,8 @@ step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 
     --json "$OUT/tp_8b_n2_auto.json"
 step tp_8b_n2_unfused && run tp_8b_n2_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_TP[@]}" \
     --no-fuse-norm --json "$OUT/tp_8b_n2_unfused.json"
+step tp_8b_n2_cublas && run tp_8b_n2_cublas 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
+    --no-skinny --json "$OUT/tp_8b_n2_cublas.json"
 step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_MATVEC[@]}" \
     --json "$OUT/tp_8b_n2_matvec.json"
 if ((N >= 4)); then
