@@ -52,7 +52,9 @@ def rewrite_skinny_linears(gm: GraphModule, target, max_features: int) -> int:
     """Replace each product `find_skinny_linears` lists with `target(x, weight, bias)`; the
     number replaced. Transposes left without users are removed."""
     found = find_skinny_linears(gm, max_features)
-    for match in found:
+    for found_match in found:
+        # Read the operands again: an earlier replacement may have been this product's input.
+        match = _as_linear(found_match.product)
         transpose = match.product.args[-1]
         with gm.graph.inserting_before(match.product):
             call = gm.graph.call_function(target, (match.x, match.weight, match.bias))
@@ -62,6 +64,7 @@ def rewrite_skinny_linears(gm: GraphModule, target, max_features: int) -> int:
         if not transpose.users:
             gm.graph.erase_node(transpose)
     if found:
+        gm.graph.lint()
         gm.recompile()
     return len(found)
 

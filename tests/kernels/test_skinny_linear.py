@@ -81,6 +81,20 @@ def test_the_rewritten_graph_computes_what_the_original_did():
     torch.testing.assert_close(gm(*args), original(*args), rtol=0, atol=0)
 
 
+def test_a_product_that_reads_a_rewritten_one_is_rewritten_onto_it():
+    # The second product's input is the first one's output: it must read the op's result,
+    # not the product the op replaced (a stale operand makes the graph invalid).
+    gm = _aten_graph(lambda x, w1, w2: F.linear(F.linear(x, w1), w2), ((1, 64), BF16), ((32, 64), BF16),
+                     ((16, 32), BF16))
+    original = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
+    assert rewrite_skinny_linears(gm, OP, 4096) == 2
+    first, second = [n for n in gm.graph.nodes if n.target is OP]
+    assert second.args[0] is first
+    torch.manual_seed(0)
+    args = [torch.randn(1, 64, dtype=BF16), torch.randn(32, 64, dtype=BF16), torch.randn(16, 32, dtype=BF16)]
+    torch.testing.assert_close(gm(*args), original(*args), rtol=0, atol=0)
+
+
 def test_the_op_says_why_it_runs_cublas():
     x, w = torch.randn(1, 64, dtype=BF16), torch.randn(32, 64, dtype=BF16)
     assert "on cpu" in kernel_problem(x, w, None)
