@@ -93,6 +93,10 @@ job zoo_fused_c "${ZOO[@]}" --json "$LOGS/zoo_fused_c.json" --fuse-sibling-linea
 ZOO_MATVEC=("${ZOO[@]}" --dtype bfloat16 --compiler inductor --matvec-as-reduction)
 job zoo_matvec_a "${ZOO_MATVEC[@]}" --json "$LOGS/zoo_matvec_a.json" --models llama,mistral,qwen2,qwen3,gemma2,phi3,olmo2
 job zoo_matvec_b "${ZOO_MATVEC[@]}" --json "$LOGS/zoo_matvec_b.json" --models gpt2,opt,falcon,mixtral,qwen3_moe
+# bf16 through Inductor under the default Config: batch-1 linears take cgcompile::skinny_linear.
+ZOO_SKINNY=("${ZOO[@]}" --dtype bfloat16 --compiler inductor)
+job zoo_skinny_a "${ZOO_SKINNY[@]}" --json "$LOGS/zoo_skinny_a.json" --models llama,mistral,qwen2,qwen3,gemma2,phi3,olmo2
+job zoo_skinny_b "${ZOO_SKINNY[@]}" --json "$LOGS/zoo_skinny_b.json" --models gpt2,opt,falcon,mixtral,qwen3_moe
 # The zoo of models that are not transformers (benchmarks/model_zoo_beyond.py): 1, 3, 8, 1 items
 # on one compiled model. The ResNet-50 detectors compile slowly (about 100 s for the four
 # sizes), so two detectors a job. The GNNs also run plain torch.compile (--reference inductor):
