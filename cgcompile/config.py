@@ -386,10 +386,9 @@ class Compile(_Group):
     skinny_linears: bool = option(True, _bool, doc="""
         Linears of one row (a batch-1 decode step) with up to 4096 output features, in
         bf16/fp16 on CUDA, run `cgcompile::skinny_linear`, a Triton kernel that reads each
-        weight element once, instead of cuBLAS, whose kernels read these weights at 32-61% of
-        the copy bandwidth on an H200 (the kernel: 42-89%, 1.06x to 1.9x faster;
-        `benchmarks/skinny_sweep.py`). Larger products and more rows keep cuBLAS, which was
-        level or faster there. The products are found in Inductor's post-grad graph
+        weight element once, instead of cuBLAS: 1.06x to 1.9x faster than cuBLAS at every
+        shape measured on an H200 (`benchmarks/skinny_sweep.py`, benchmarks/RESULTS.md).
+        Larger products and more rows keep cuBLAS, which was level or faster there. The products are found in Inductor's post-grad graph
         (`cgcompile.passes.skinny_linear`), so a DTensor model's shards are found too. Sums
         are in float32 as cuBLAS's are: results agree with eager to rounding, not bit for
         bit. Applies to the pieces' Inductor compiles (`compiler="inductor"`), which the

@@ -1,10 +1,10 @@
 """`cgcompile::skinny_linear`: `F.linear` of one row (a batch-1 decode step), at the weight's read speed.
 
 At one row a linear reads its whole weight to make one output per feature, so its time is
-the weight's bytes over the share of the memory bandwidth its kernel reaches. cuBLAS's
-kernels for these products read a weight of up to 4096 output features at 32-61% of the
-copy bandwidth on an H200, `skinny_linear_kernel` at 42-89% (1.06x to 1.9x faster,
-`benchmarks/skinny_sweep.py`: every launch configuration per shape, against cuBLAS).
+the weight's bytes over the share of the memory bandwidth its kernel reaches. For weights of
+up to 4096 output features `skinny_linear_kernel` was 1.06x to 1.9x faster than cuBLAS's
+kernels at every shape measured on an H200 (`benchmarks/skinny_sweep.py`: every launch
+configuration per shape, against cuBLAS; the table is in benchmarks/RESULTS.md).
 Beyond 4096 features cuBLAS is level or ahead, and at 4 or 8 rows its tensor-core kernels
 beat this kernel's best form (which multiplied the rows on the tensor cores): so the op
 takes one row and at most `MAX_FEATURES` output features (`kernel_problem`).
@@ -99,8 +99,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -
 
 def _dependent_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper and later): the kernel's launch overlaps the tail
-    of the kernel before it. cuBLAS's one-row kernels launch so; without it each of these
-    short kernels paid about a microsecond more between kernels than cuBLAS's in an 8B step."""
+    of the kernel before it. Without it an 8B step ran 1.2 us more per skinny kernel between
+    kernels than with cuBLAS's, whose kernels took longer (benchmarks/RESULTS.md)."""
     return device.type == "cuda" and _capability(device.index)[0] >= 9
 
 

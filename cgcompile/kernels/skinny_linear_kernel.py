@@ -6,8 +6,7 @@ added into a float32 accumulator of the tile's shape and summed over K once, aft
 loop: in float32, as cuBLAS accumulates, and rounded once.
 
 With `PDL` (programmatic dependent launch, Hopper and later; the launch sets `launch_pdl`)
-the kernel may be launched while the kernel before it still runs, as cuBLAS's own one-row
-kernels are: it waits for that kernel (`gdc_wait`) before its first load or store, so
+the kernel may be launched while the kernel before it still runs: it waits for that kernel (`gdc_wait`) before its first load or store, so
 nothing it reads or writes can race, and it lets the next kernel launch once its loads are
 done (`gdc_launch_dependents`; a kernel launched that way waits in its turn).
 """
