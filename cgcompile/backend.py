@@ -110,7 +110,7 @@ class Backend:
             specialised_compilations=self._compiler.specialised_compilations,  # made at first calls
             specialise_s=self._compiler.specialise_s,
             matvec_reductions=self._compiler.matvec_reductions,
-            skinny_linears=self._compiler.skinny_linears,
+            skinny_linears=self._compiler.skinny_linear_count,
             graphs_captured=self.session.graphs_captured,
         )
         for name, value in reported.items():

@@ -256,7 +256,7 @@ class PieceCompiler:
         return {**options, "matvec_as_reduction": True} if self.matvec_as_reduction else options
 
     @property
-    def skinny_linears(self) -> int:
+    def skinny_linear_count(self) -> int:
         """Products handed to the skinny linear op by the compiles Inductor ran."""
         return 0 if self.post_grad_pass is None else self.post_grad_pass.rewritten_linears
 

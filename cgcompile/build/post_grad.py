@@ -69,6 +69,9 @@ def post_grad_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = T
     """The pass piece compiles run under (None: nothing to rewrite, or the user's Inductor
     `options` set their own post-grad pass)."""
     routes = all_reduce != NCCL
+    if skinny_linears and not skinny_linear.triton_available():
+        _note_no_triton()
+        skinny_linears = False
     if not routes and not skinny_linears:
         return None
     if options.get(POST_GRAD_PASS) is not None:
@@ -93,6 +96,11 @@ def compiling_with(rewrites: PostGradPass | None) -> Iterator[None]:
 @functools.cache
 def _skinny_sources_hash() -> str:
     return get_hash_for_files((skinny_rewrite.__file__, skinny_linear.__file__)).hex()
+
+
+@functools.cache
+def _note_no_triton() -> None:
+    log.info("cgcompile: Config.skinny_linears: triton cannot be imported, so one-row linears keep cuBLAS")
 
 
 @functools.cache

@@ -43,7 +43,7 @@ def choose_launch(n: int, k: int) -> Launch:
     block_n = 1
     while block_n < 8 and block_n * 2 * 512 <= n:
         block_n *= 2
-    return Launch(block_n=block_n, block_k=min(1024, triton_next_power_of_2(k)))
+    return Launch(block_n=block_n, block_k=min(1024, _next_power_of_2(k)))
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -55,11 +55,13 @@ def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return f"dtypes {x.dtype}/{weight.dtype}; the kernel takes bf16 or fp16, all operands alike"
     if rows != 1:
         return f"{rows} rows; the kernel takes one"
-    if weight.dim() != 2 or weight.shape[0] > MAX_FEATURES:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[-1]:
+        return f"an input of {x.shape[-1]} features and a weight of shape {tuple(weight.shape)}"
+    if weight.shape[0] > MAX_FEATURES:
         return f"a weight of shape {tuple(weight.shape)}; the kernel takes up to {MAX_FEATURES} output features"
     if weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
         return "the weight does not have unit stride along its input features"
-    if not _triton_available():
+    if not triton_available():
         return "triton cannot be imported"
     return None
 
@@ -76,7 +78,7 @@ def skinny_linear_kernel_call(x: torch.Tensor, weight: torch.Tensor, bias: torch
     launch = launch or choose_launch(n, k)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
     pdl = _dependent_launch(x.device)
-    skinny_linear_kernel[(triton_cdiv(n, launch.block_n),)](
+    skinny_linear_kernel[(_cdiv(n, launch.block_n),)](
         row, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None, EVEN_K=k % launch.block_k == 0,
         PDL=pdl, num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}))
@@ -109,24 +111,18 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _triton_available() -> bool:
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON = True
-        except ImportError:
-            _TRITON = False
-    return _TRITON
-
-
-_TRITON: bool | None = None
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -105,6 +105,7 @@ def test_the_op_says_why_it_runs_cublas():
         big = torch.empty(MAX_FEATURES + 1, 64, dtype=BF16, device="cuda")
         assert f"up to {MAX_FEATURES} output features" in kernel_problem(x, big, None)
         assert "unit stride" in kernel_problem(x, torch.empty(64, 32, dtype=BF16, device="cuda").t(), None)
+        assert "of 64 features" in kernel_problem(x, torch.empty(32, 48, dtype=BF16, device="cuda"), None)
 
 
 def test_the_op_equals_linear_where_it_falls_back():
@@ -117,7 +118,17 @@ def test_the_pass_is_keyed_by_the_rewrites_it_makes():
     on, off = PostGradPass(skinny_linears=True), PostGradPass(skinny_linears=False)
     assert on.uuid() != off.uuid() and repr(on) != repr(off)
     assert post_grad_pass({}, "nccl", skinny_linears=False) is None
-    assert post_grad_pass({}, "nccl", skinny_linears=True).all_reduces is None
+
+
+def test_the_rewrite_needs_triton(monkeypatch):
+    from cgcompile.kernels import skinny_linear as op_module
+
+    monkeypatch.setattr(op_module, "triton_available", lambda: True)
+    made = post_grad_pass({}, "nccl", skinny_linears=True)
+    assert made.skinny_linears and made.all_reduces is None
+    monkeypatch.setattr(op_module, "triton_available", lambda: False)
+    assert post_grad_pass({}, "nccl", skinny_linears=True) is None  # nothing left to rewrite
+    assert not post_grad_pass({}, "auto", skinny_linears=True).skinny_linears
 
 
 def test_the_config_turns_the_rewrite_on_by_default():

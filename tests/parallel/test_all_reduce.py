@@ -259,7 +259,6 @@ def test_the_inductor_pass_keys_the_cache_by_the_recorded_choices():
 def test_pieces_compile_with_the_pass_unless_all_reduce_is_nccl():
     assert isinstance(PieceCompiler("inductor", all_reduce="auto").post_grad_pass.all_reduces, RouteCompiledAllReduces)
     assert PieceCompiler("inductor", all_reduce="nccl").post_grad_pass is None
-    assert PieceCompiler("inductor", all_reduce="nccl", skinny_linears=True).post_grad_pass.all_reduces is None
     mine = RouteCompiledAllReduces(GroupRegistry())
     assert post_grad_pass({POST_GRAD_PASS: mine}, "auto") is None  # the user's own pass is kept
 
