@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value
+from .graph_values import example_value, meta_for_replacement
 
 ALL_REDUCE = "_c10d_functional::all_reduce"
 ALL_REDUCE_INPLACE = "_c10d_functional::all_reduce_"
@@ -109,9 +109,7 @@ def route_all_reduces(gm: GraphModule, sites: list[AllReduceSite], target: Calla
         start, wait = by_name[site.node], by_name[site.wait]
         with gm.graph.inserting_before(wait):
             call = gm.graph.call_function(target, (start.args[0], site.reduce_op, site.group_name))
-        # The wait's value; not its recorded eager inputs, which Inductor would match
-        # against the new op's schema.
-        call.meta.update({k: v for k, v in wait.meta.items() if k != "eager_input_vals"})
+        call.meta.update(meta_for_replacement(wait))  # the wait's value
         wait.replace_all_uses_with(call)
         gm.graph.erase_node(wait)
         gm.graph.erase_node(start)

@@ -61,6 +61,13 @@ def example_value(node: Node) -> Any:
     return node.meta.get("val")
 
 
+def meta_for_replacement(node: Node) -> dict:
+    """`node`'s meta for the call of another op that replaces it: its value and the rest, but
+    not `eager_input_vals`, the replaced op's inputs, which Inductor would read as the new
+    op's (against the new op's schema)."""
+    return {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
+
+
 def tensors_in(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

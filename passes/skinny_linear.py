@@ -7,7 +7,8 @@ kernel made for that reads it faster than cuBLAS's matrix kernels.
 
 `find_skinny_linears(gm, max_features)` lists the products whose `x` has one row (a static
 size: a symbolic row count is left alone), in bf16 or fp16 on CUDA, with `w` a matrix of
-at most `max_features` rows (output features) and unit stride along K, and a bias, if any, of shape [N];
+at most `max_features` rows (output features) and unit stride along K, and a bias, if
+any, of shape [N];
 `rewrite_skinny_linears(gm, target, max_features)` replaces each with
 `target(x, w, bias)`, which must compute `x @ w.T + bias` as the product would (to
 rounding). Everything is read from the nodes' fake values, so it runs on any post-grad
@@ -21,9 +22,8 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+from .graph_values import example_value, meta_for_replacement
+from .matvec_reduction import HALF_DTYPES
 _aten = torch.ops.aten
 _TRANSPOSES = (_aten.permute.default, _aten.t.default)
 
@@ -50,23 +50,26 @@ def find_skinny_linears(gm: GraphModule, max_features: int) -> list[SkinnyLinear
 
 def rewrite_skinny_linears(gm: GraphModule, target, max_features: int) -> int:
     """Replace each product `find_skinny_linears` lists with `target(x, weight, bias)`; the
-    number replaced. Transposes left without users are removed."""
-    found = find_skinny_linears(gm, max_features)
-    for found_match in found:
-        # Read the operands again: an earlier replacement may have been this product's input.
-        match = _as_linear(found_match.product)
-        transpose = match.product.args[-1]
-        with gm.graph.inserting_before(match.product):
+    number replaced. Transposes left without users are removed. One walk in graph order, each
+    product read when it is reached: a product fed by one replaced before it reads the new call."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        match = _as_linear(node)
+        if match is None or not _fits(match, max_features):
+            continue
+        transpose = node.args[-1]
+        with gm.graph.inserting_before(node):
             call = gm.graph.call_function(target, (match.x, match.weight, match.bias))
-        call.meta.update(match.product.meta)
-        match.product.replace_all_uses_with(call)
-        gm.graph.erase_node(match.product)
+        call.meta.update(meta_for_replacement(node))
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
         if not transpose.users:
             gm.graph.erase_node(transpose)
-    if found:
+        count += 1
+    if count:
         gm.graph.lint()
         gm.recompile()
-    return len(found)
+    return count
 
 
 def _as_linear(node: Node) -> SkinnyLinear | None:
@@ -100,8 +103,8 @@ def _fits(match: SkinnyLinear, max_features: int) -> bool:
         return False
     if w.stride(1) != 1:
         return False
-    if match.bias is not None:
-        if not _plain(bias) or bias.dim() != 1 or bias.dtype != x.dtype or bias.stride(0) != 1:
+    if match.bias is not None:  # [N]: a bias addmm would broadcast is left to addmm
+        if not _plain(bias) or tuple(bias.shape) != (w.shape[0],) or bias.dtype != x.dtype or bias.stride(0) != 1:
             return False
     return True
 

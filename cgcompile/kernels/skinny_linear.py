@@ -22,8 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..passes.matvec_reduction import HALF_DTYPES
+
 MAX_FEATURES = 4096  # output features; beyond, cuBLAS read as fast (benchmarks/skinny_sweep.py)
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,10 @@ def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return f"an input of {x.shape[-1]} features and a weight of shape {tuple(weight.shape)}"
     if weight.shape[0] > MAX_FEATURES:
         return f"a weight of shape {tuple(weight.shape)}; the kernel takes up to {MAX_FEATURES} output features"
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        return "the operands are on different devices"
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        return f"a bias of shape {tuple(bias.shape)}; the kernel takes one of [{weight.shape[0]}]"
     if weight.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
         return "the weight does not have unit stride along its input features"
     if not triton_available():

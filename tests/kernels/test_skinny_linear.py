@@ -63,6 +63,11 @@ def test_a_transposed_weight_without_unit_stride_along_k_is_left_alone():
     assert find_skinny_linears(gm, 4096) == []
 
 
+def test_a_bias_that_addmm_would_broadcast_is_left_alone():
+    gm = _aten_graph(lambda x, w, b: torch.addmm(b, x, w.t()), ((1, 64), BF16), ((32, 64), BF16), ((1,), BF16))
+    assert find_skinny_linears(gm, 4096) == []
+
+
 def test_a_three_dimensional_input_of_one_row_is_found():
     gm = _aten_graph(lambda x, w: F.linear(x, w), ((1, 1, 64), BF16), ((32, 64), BF16))
     assert len(find_skinny_linears(gm, 4096)) == 1
@@ -90,6 +95,7 @@ def test_a_product_that_reads_a_rewritten_one_is_rewritten_onto_it():
     assert rewrite_skinny_linears(gm, OP, 4096) == 2
     first, second = [n for n in gm.graph.nodes if n.target is OP]
     assert second.args[0] is first
+    assert "eager_input_vals" not in first.meta and first.meta["val"].shape == (1, 32)
     torch.manual_seed(0)
     args = [torch.randn(1, 64, dtype=BF16), torch.randn(32, 64, dtype=BF16), torch.randn(16, 32, dtype=BF16)]
     torch.testing.assert_close(gm(*args), original(*args), rtol=0, atol=0)
@@ -106,6 +112,7 @@ def test_the_op_says_why_it_runs_cublas():
         assert f"up to {MAX_FEATURES} output features" in kernel_problem(x, big, None)
         assert "unit stride" in kernel_problem(x, torch.empty(64, 32, dtype=BF16, device="cuda").t(), None)
         assert "of 64 features" in kernel_problem(x, torch.empty(32, 48, dtype=BF16, device="cuda"), None)
+        assert "a bias of shape (1,)" in kernel_problem(x, w, torch.empty(1, dtype=BF16, device="cuda"))
 
 
 def test_the_op_equals_linear_where_it_falls_back():
