@@ -12,6 +12,7 @@
 #                  cuBLAS), beside tp_8b_n2_auto's
 #   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
 #   tp_8b_n4_unfused  (N=4) the TP=4 step unfused
+#   tp_8b_n4_cublas  (N=4) the TP=4 and TP=1 steps with Config.skinny_linears off
 #   tp_70b_n4      (N=4) 70B-class shape at TP=4 (each rank builds its shard), against the
 #                  per-rank weight-bytes floor
 #   hf_tp_n2       transformers tp_plan="auto" Llama of the 8B shape, 8 layers (a 32-layer
@@ -94,6 +95,8 @@ if ((N >= 4)); then
       --json "$OUT/tp_8b_n4_auto.json"
   step tp_8b_n4_unfused && run tp_8b_n4_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_TP[@]}" \
       --no-fuse-norm --json "$OUT/tp_8b_n4_unfused.json"
+  step tp_8b_n4_cublas && run tp_8b_n4_cublas 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
+      --no-skinny --json "$OUT/tp_8b_n4_cublas.json"
   step tp_70b_n4 && run tp_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
       --models 70b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq --steps 20 --warmup 3 \
       --json "$OUT/tp_70b_n4.json"
