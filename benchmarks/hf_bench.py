@@ -29,6 +29,8 @@ Variants:
                     README, "Full graphs"); backend.stats counts the steps of each path
     cgcompile-static-default  the static cache with forward compiled under the default Config
                     (no flags): its automatic full graph, small-query attention included
+    cgcompile-unfused, cgcompile-static-default-unfused  cgcompile and cgcompile-static-default
+                    with Config(fuse_sibling_linears=False): q/k/v and gate/up as the model has them
     cgcompile-static-whole  the same with Config(full_graph_compile=True): the full graph is the
                     whole decode step compiled as one by Inductor
     cgcompile-static-sq  cgcompile-static with Config(small_query_attention=True): in the full
@@ -192,7 +194,7 @@ def setup_eager(model, args) -> tuple[dict, None]:
     return {}, None
 
 
-def setup_cgcompile(model, args, fused: bool = False) -> tuple[dict, cgcompile.Backend]:
+def setup_cgcompile(model, args, fused: bool | None = None) -> tuple[dict, cgcompile.Backend]:
     backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler, fuse_sibling_linears=fused))
     model.forward = torch.compile(model.forward, backend=backend)  # the one-line change
     return {}, backend
@@ -206,7 +208,8 @@ def setup_breakable(model, args) -> tuple[dict, cgcompile.GraphManager]:
 # Dynamo settings a variant runs under (torch.compiler.config.patch), and nothing else does.
 KV_CACHE_SOURCES = r".*past_key_values.*"  # the README's optional line for transformers users
 VARIANT_COMPILER_CONFIG = {"cgcompile": {"dynamic_sources": KV_CACHE_SOURCES},
-                           "cgcompile-fused": {"dynamic_sources": KV_CACHE_SOURCES}}
+                           "cgcompile-fused": {"dynamic_sources": KV_CACHE_SOURCES},
+                           "cgcompile-unfused": {"dynamic_sources": KV_CACHE_SOURCES}}
 
 
 def setup_static(model, args) -> tuple[dict, None]:
@@ -215,7 +218,7 @@ def setup_static(model, args) -> tuple[dict, None]:
 
 
 def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool = False,
-                           fused: bool = False, compiler: str | None = None) -> tuple[dict, cgcompile.Backend]:
+                           fused: bool | None = None, compiler: str | None = None) -> tuple[dict, cgcompile.Backend]:
     # A static cache and attention declared capturable: each decode step one full CUDA graph.
     # disable_compile: generate() would otherwise compile the decode step itself around ours.
     config = cgcompile.Config(compiler=compiler or args.compiler, capturable_split_ops=("attention",),
@@ -226,9 +229,9 @@ def setup_cgcompile_static(model, args, whole: bool = False, small_query: bool =
     return {"cache_implementation": "static", "disable_compile": True}, backend
 
 
-def setup_cgcompile_static_default(model, args) -> tuple[dict, cgcompile.Backend]:
+def setup_cgcompile_static_default(model, args, fused: bool | None = None) -> tuple[dict, cgcompile.Backend]:
     # A static cache under the default Config: its automatic full graph, no flags.
-    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler))
+    backend = cgcompile.Backend(cgcompile.Config(compiler=args.compiler, fuse_sibling_linears=fused))
     model.forward = torch.compile(model.forward, backend=backend)
     return {"cache_implementation": "static", "disable_compile": True}, backend
 
@@ -245,6 +248,8 @@ def setup_cgcompile_auto(model, args, whole: bool = False, compiler: str | None 
 VARIANTS = {"eager": setup_eager, "cgcompile": setup_cgcompile, "cgcompile-3graphs": setup_cgcompile,
             "breakable": setup_breakable, "static": setup_static, "cgcompile-static": setup_cgcompile_static,
             "cgcompile-static-default": setup_cgcompile_static_default,
+            "cgcompile-unfused": functools.partial(setup_cgcompile, fused=False),
+            "cgcompile-static-default-unfused": functools.partial(setup_cgcompile_static_default, fused=False),
             "cgcompile-static-whole": functools.partial(setup_cgcompile_static, whole=True),
             "cgcompile-static-sq": functools.partial(setup_cgcompile_static, small_query=True),
             "cgcompile-static-whole-sq": functools.partial(setup_cgcompile_static, whole=True, small_query=True),

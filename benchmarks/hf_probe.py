@@ -189,9 +189,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--json", default=None, help="write the cases here")
-    p.add_argument("--fuse-sibling-linears", action="store_true",
-                   help="Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each, as the project's "
-                        "decode model has them")
+    fused = p.add_mutually_exclusive_group()
+    fused.add_argument("--fuse-sibling-linears", dest="fuse_sibling_linears", action="store_const", const=True,
+                       default=None, help="Config(fuse_sibling_linears=True): q/k/v and gate/up as one matmul each, "
+                                          "copying weights that cannot be shared (the default fuses only those that can)")
+    fused.add_argument("--no-fuse-sibling-linears", dest="fuse_sibling_linears", action="store_const", const=False,
+                       help="Config(fuse_sibling_linears=False): q/k/v and gate/up as the model has them")
     p.add_argument("--matvec-reduction", action="store_true",
                    help="Config(matvec_as_reduction=True): one-row linears as Inductor reductions, not cuBLAS")
     p.add_argument("--no-skinny", action="store_true",

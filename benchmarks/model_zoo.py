@@ -298,7 +298,7 @@ class Options:
     fresh_per_size: bool = False  # a fresh Dynamo and Backend for every call instead
     speed: bool = False
     rounds: int = 5
-    fuse_sibling_linears: bool = False  # cgcompile.Config.fuse_sibling_linears
+    fuse_sibling_linears: bool | None = None  # cgcompile.Config.fuse_sibling_linears (None: its default)
     matvec_as_reduction: bool = False  # cgcompile.Config.matvec_as_reduction (bf16/fp16, Inductor)
     padding: bool | None = None  # cgcompile.Config.padding (True: pads on CPU too)
 
@@ -740,7 +740,7 @@ def options_from(args: argparse.Namespace) -> Options:
     return Options(**chosen, device=args.device, dtype=getattr(torch, args.dtype),
                    compiler=args.compiler or ("inductor" if args.device == "cuda" else "eager"),
                    new_tokens=args.new_tokens, speed=args.speed, rounds=args.rounds,
-                   fuse_sibling_linears=args.fuse_sibling_linears, fresh_per_size=args.fresh_per_size,
+                   fuse_sibling_linears=args.fuse_sibling_linears or None, fresh_per_size=args.fresh_per_size,
                    matvec_as_reduction=args.matvec_as_reduction,
                    padding=True if args.padding else None)
 

@@ -85,7 +85,8 @@ class Backend:
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
         self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options), self.config.split.cudnn_attention)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
-        self._fused_weights = FusedWeightStore()  # Config.fuse_sibling_linears, shared by all graphs
+        # Config.fuse_sibling_linears, shared by all graphs; copies only where asked for (True).
+        self._fused_weights = FusedWeightStore(copies=self.config.rewrites.fuse_sibling_linears is True)
         # Ops a capture failed on (capture recovery): later graphs split there at once.
         self._uncapturable = UncapturableOps()
         self._dump_folder: str | None = None  # claimed at the first dump (dump.claim_run_folder)

@@ -424,18 +424,21 @@ class Rewrites(_Group):
         let SDPA read the un-repeated cache instead (see `cgcompile.passes.grouped_query`): two
         copies of the cache per layer and step fewer. False keeps the model's own attention
         calls.""")
-    fuse_sibling_linears: bool = option(False, _bool, doc="""
+    fuse_sibling_linears: bool | None = option(None, _optional_bool, doc="""
         Linear layers that read the same input with parameter weights (q/k/v projections, gate and
         up) run as one matmul over their concatenated weights (see
         `cgcompile.passes.sibling_linears`): at decode sizes small projections run far below the
-        GPU's bandwidth, and one larger matmul does not. No memory is added where the parameters
-        allow it: each becomes a view of its rows of the fused weight (its address moves once, when
-        its first graph compiles; `stats.shared_fused_weights`). A parameter that shares its memory
-        with another tensor (tied weights, a kept `param.data`) or is a view of a larger one is
-        copied instead (`stats.fused_weight_bytes`; the log says why), and the copy is kept equal to
-        the parameters on every call (`cgcompile.run.fused_weights`; a write through `param.data` to
-        such a parameter is not seen: call `Backend.refresh_fused_weights()`). For inference: with
-        grad on, parameters that require grad are left out.""")
+        GPU's bandwidth, and one larger matmul does not. None (the default): on CUDA, fuse the
+        groups whose fused weight can take the parameters' place, so that fusing adds no memory;
+        each parameter becomes a view of its rows of the fused weight (its address moves once,
+        when its first graph compiles; `stats.shared_fused_weights`), and a group that cannot
+        share (tied weights, a kept `param.data`, a parameter that is a view of a larger tensor,
+        a DTensor) stays unfused, with the reason logged. True: fuse those too, on any device,
+        through a copy of their weights (`stats.fused_weight_bytes`) kept equal to the
+        parameters on every call (`cgcompile.run.fused_weights`; a write through `param.data` to
+        such a parameter is not seen: call `Backend.refresh_fused_weights()`). False: never.
+        Parameters that require grad are left out while grad is on (the fused weight would take
+        their gradients).""")
     all_reduce: str = option("auto", _choice("auto", "symm_mem", "nccl"), doc="""
         Which all-reduce a sum over a functional collective gets in a graph on CUDA: "auto" routes
         it, where its process group allows (NCCL ranks on one host with P2P), to cgcompile's

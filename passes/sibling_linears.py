@@ -56,14 +56,15 @@ class _Linear:
 
 
 def fuse_sibling_linears(gm: GraphModule, tensors: Mapping[str, torch.Tensor],
-                         concat: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+                         concat: Callable[[list[torch.Tensor]], torch.Tensor | None] | None = None,
                          ) -> tuple[GraphModule, list[FusedInput]]:
     """Rewrite each group of sibling linears (see the module docstring).
 
     tensors: placeholder name -> the real tensor of a graph input that may be fused
     (parameters: fixed for the life of the graph, up to in-place updates).
     concat: makes a fused tensor from its sources (default: a new `torch.cat` along dim 0);
-    a caller that compiles several graphs of one model can hand out one copy to all.
+    a caller that compiles several graphs of one model can hand out one copy to all, and
+    one that returns None for a group's weights or biases leaves that group unfused.
     Returns the rewritten graph and the inputs it added, in the order of their
     placeholders (after the graph's own); `gm` itself is left as it was, as Dynamo
     reads its placeholders after the backend returns. With nothing to fuse: (gm, []).
@@ -120,8 +121,12 @@ def _fuse(gm: GraphModule, group: list[_Linear], tensors: Mapping[str, torch.Ten
     names = {"weight": [g.weight.name for g in group]}
     if group[0].bias is not None:
         names["bias"] = [g.bias.name for g in group]
-    inputs = [FusedInput(f"fused_{kind}_{index + i}", kind, tuple(sources), concat([tensors[s] for s in sources]))
-              for i, (kind, sources) in enumerate(names.items())]
+    inputs = []
+    for i, (kind, sources) in enumerate(names.items()):
+        tensor = concat([tensors[s] for s in sources])
+        if tensor is None:  # the caller declined this group: leave it unfused
+            return []
+        inputs.append(FusedInput(f"fused_{kind}_{index + i}", kind, tuple(sources), tensor))
     nodes = [_placeholder(graph, fused) for fused in inputs]
     sizes = [tensors[g.weight.name].shape[0] for g in group]
     first = group[0].node

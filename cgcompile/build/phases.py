@@ -156,15 +156,18 @@ def fuse_linears(index: int, gm: torch.fx.GraphModule, example_inputs: list, con
                  store: FusedWeightStore) -> Fusion:
     """Config.fuse_sibling_linears: rewrite sibling linears over parameters; the fused
     weights become new graph inputs, appended to every call's (see `fused_weights.FusedWeights`)."""
-    if not config.rewrites.fuse_sibling_linears:
+    mode = config.rewrites.fuse_sibling_linears
+    if mode is False:
         return Fusion(gm, example_inputs)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     # Left out: inference tensors, which have no version counter (a later update could
     # not be seen), and parameters autograd will differentiate (the copies would take
     # their gradients). Dynamo guards on grad mode, so a call with grad on recompiles.
     training = torch.is_grad_enabled()
+    # The default (None) fuses on CUDA only, where decode-size products pay for their launches.
     params = {name: x for name, x in zip(placeholders, example_inputs)
-              if isinstance(x, torch.nn.Parameter) and not x.is_inference() and not (training and x.requires_grad)}
+              if isinstance(x, torch.nn.Parameter) and not x.is_inference() and not (training and x.requires_grad)
+              and (mode is True or x.is_cuda)}
     gm, fused = fuse_sibling_linears(gm, params, store)
     if not fused:
         return Fusion(gm, example_inputs)

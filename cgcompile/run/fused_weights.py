@@ -10,24 +10,26 @@ equal to the parameters they were made from.
     parameters' addresses move once, when their first graph is compiled, before any capture.
     Sources that already lie one after another in one memory (shared so by another
     backend) are read where they are.
-  - a copy, where sharing cannot be proved safe (a parameter that is a view of larger
-    memory, memory another tensor also holds, such as tied weights or a kept `param.data`,
-    the same tensor twice, a tensor subclass); the reason is logged, and the copy's bytes
-    are `stats.fused_weight_bytes`.
+  - where sharing cannot be proved safe (a parameter that is a view of larger memory,
+    memory another tensor also holds, such as tied weights or a kept `param.data`, the same
+    tensor twice, a tensor subclass): a copy, if the store was made with `copies=True`
+    (`Config(fuse_sibling_linears=True)`), whose bytes are `stats.fused_weight_bytes`; else
+    no fused weight, and the group stays unfused. Either way the reason is logged.
 
 `FusedWeights.extend(args)` runs first in every call: it appends the fused weights to the
 call's inputs, after checking that no source parameter changed since they were made. A
-parameter counts as changed when its address or its version counter moved: replaced
-(`module.weight = ...`, `param.data = ...`) or written in place through the parameter
-(`load_state_dict`, `param.copy_`, an optimizer step). Then every part not already in
-place is copied into its rows: the fused weights keep their addresses, so captured CUDA
-graphs that read them stay valid.
+parameter counts as changed when its address moved (replaced: `module.weight = ...`,
+`param.data = ...`), or, for a copy, when its version counter moved too (written in place
+through the parameter: `load_state_dict`, `param.copy_`, an optimizer step; a shared
+parameter's writes land in the fused weight itself). Then every part not already in place
+is copied into its rows: the fused weights keep their addresses, so captured CUDA graphs
+that read them stay valid.
 
 Not seen, for copies: writes through `param.data` (a tensor with its own version counter).
 After such a write, call `Backend.refresh_fused_weights()` (`invalidate` here). The check
-costs one address and one counter read per source parameter per call (23 us for 80
-parameters on a desktop CPU, 71 us on the H100 machine's host); no GPU work unless
-something changed.
+costs an address read per shared source and an address and a counter read per copied one,
+per call (the 8B Llama's 160 shared sources: about 18 us on a desktop CPU); no GPU work
+unless something changed.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class FusedWeights:
     def __init__(self, fused: Sequence[FusedInput], source_index: dict[str, int], example_inputs: Sequence):
         self.tensors = tuple(f.tensor for f in fused)
         self._sources = tuple(tuple(source_index[s] for s in f.sources) for f in fused)
-        self._watched = tuple(sorted({i for sources in self._sources for i in sources}))
+        self._watch(example_inputs)
         self._stamp = self._stamp_of(example_inputs)
         self.refreshes = 0
 
@@ -57,7 +59,8 @@ class FusedWeights:
         stamp = self._stamp_of(args)
         if stamp != self._stamp:
             self.refresh(args)
-            self._stamp = stamp
+            self._watch(args)
+            self._stamp = self._stamp_of(args)
         return (*args, *self.tensors)
 
     def refresh(self, args: Sequence) -> None:
@@ -72,8 +75,23 @@ class FusedWeights:
         """Make the next call copy every fused weight again."""
         self._stamp = None
 
+    def _watch(self, args: Sequence) -> None:
+        """Split the sources into those whose memory is their rows of a fused weight
+        (shared: every write through them lands there, so only a move can make it stale)
+        and the others (a copy: their writes must be seen through the version counter)."""
+        shared, copied = set(), set()
+        for fused, sources in zip(self.tensors, self._sources):
+            start = 0
+            for i in sources:
+                (shared if is_rows_of(args[i], fused, start) else copied).add(i)
+                start += args[i].shape[0]
+        self._moved_only = tuple(sorted(shared - copied))
+        self._written = tuple(sorted(copied))
+
     def _stamp_of(self, args: Sequence) -> tuple:
-        return tuple((args[i].data_ptr(), args[i]._version) for i in self._watched)
+        # The call's cost for every fused model: a Python read per source (160 at 8B).
+        return (tuple(args[i].data_ptr() for i in self._moved_only),
+                tuple((args[i].data_ptr(), args[i]._version) for i in self._written))
 
 
 class FusedWeightStore:
@@ -84,11 +102,12 @@ class FusedWeightStore:
     place: its sources may have been written since (graphs that read it already notice
     that themselves, see `FusedWeights`)."""
 
-    def __init__(self):
+    def __init__(self, copies: bool = True):
+        self.copies = copies  # False: a group that cannot share gets no fused weight (None)
         self._copies: dict[tuple, torch.Tensor] = {}
         self._shared: list[torch.Tensor] = []
 
-    def __call__(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, parts: list[torch.Tensor]) -> torch.Tensor | None:
         # A weight made inside a stream capture would live in the graph pool and be filled
         # only by the capture's own run: never the case, as Dynamo compiles before any capture.
         assert not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()), \
@@ -105,8 +124,12 @@ class FusedWeightStore:
             if key in self._copies:
                 copy_into(self._copies[key], parts)
                 return self._copies[key]
-            fused = torch.cat(parts, dim=0)
             why = why_not_shared(parts)
+            if why is not None and not self.copies:
+                log.info("cgcompile: %d sibling linears stay unfused: %s (Config(fuse_sibling_linears=True) "
+                         "fuses them through a copy of their weights)", len(parts), why)
+                return None
+            fused = torch.cat(parts, dim=0)
             if why is None:
                 share(fused, parts)
                 self._shared.append(fused)

@@ -154,7 +154,7 @@ class Setup:
     device: str = "cpu"
     padding: bool | None = True
     full_graph: str = "off"
-    fuse_sibling_linears: bool = False
+    fuse_sibling_linears: bool | None = None  # None: the Config default
     path: str = "compiled"
     sequence: int = 0
 
@@ -695,7 +695,8 @@ def _setups(args) -> list[Setup]:
     compilers = ("eager", "inductor") if args.compiler == "both" else (args.compiler,)
     if args.path == "breakable":
         compilers = ("eager",)  # nothing is compiled: one run per case
-    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears, args.path, args.sequence)
+    return [Setup(c, args.device, padding, args.full_graph, args.fuse_sibling_linears or None, args.path,
+                  args.sequence)
             for c in compilers]
 
 

@@ -6,9 +6,12 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cgcompile
 from cgcompile.passes import fuse_sibling_linears
+from cgcompile.passes.sibling_linears import LINEAR_FUNCTIONS
+from cgcompile.run.fused_weights import FusedWeightStore
 from cgcompile.testing.hf_models import ARCHS, compile_and_match_eager, fixed_length_generate, tiny_model
 
 
@@ -35,7 +38,8 @@ class Projections(torch.nn.Module):
 
 
 def compiled(model, **config):
-    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", fuse_sibling_linears=True, **config))
+    config = {"compiler": "eager", "fuse_sibling_linears": True, **config}
+    backend = cgcompile.Backend(cgcompile.Config(**config))
     return torch.compile(model, backend=backend), backend
 
 
@@ -44,11 +48,19 @@ def assert_matches_eager(compiled_model, model, x):
         torch.testing.assert_close(got, expected)
 
 
-def test_off_by_default():
+def test_the_default_leaves_models_off_cuda_alone():
     model = Projections()
     backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    assert backend.config.rewrites.fuse_sibling_linears is None
     torch.compile(model, backend=backend)(torch.randn(3, 16))
     assert backend.stats.fused_linears == 0 and backend.stats.fused_weight_bytes == 0
+
+
+def test_off_when_asked():
+    model = Projections()
+    compiled_model, backend = compiled(model, fuse_sibling_linears=False)
+    assert_matches_eager(compiled_model, model, torch.randn(3, 16))
+    assert backend.stats.fused_linears == 0 and backend.stats.shared_fused_weights == 0
 
 
 def test_fuses_each_group_and_matches_eager():
@@ -104,7 +116,12 @@ def test_parameter_updates_reach_the_fused_weights(shared):
     assert_matches_eager(compiled_model, model, x)
     model.v.bias.data = torch.randn(8)  # a new tensor: its address moves
     assert_matches_eager(compiled_model, model, x)
-    assert backend.stats.fused_weight_refreshes == 3
+    # Writes through a shared parameter land in the fused weight: only the move refreshes.
+    assert backend.stats.fused_weight_refreshes == (1 if shared else 3)
+    with torch.no_grad():
+        model.v.bias.mul_(3)  # v's bias moved out of the fused bias: now a copy, watched as one
+    assert_matches_eager(compiled_model, model, x)
+    assert backend.stats.fused_weight_refreshes == (2 if shared else 4)
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared", "copies"])
@@ -306,3 +323,50 @@ def test_a_second_backend_reads_weights_another_one_shared():
         model.up.weight.mul_(-1)  # one memory: both backends see it
     assert_matches_eager(second_model, model, x)
     assert_matches_eager(compiled_model, model, x)
+
+
+def test_a_store_without_copies_declines_weights_that_cannot_move():
+    """The default's store (Config.fuse_sibling_linears=None) fuses only weights that can
+    share the parameters' memory: for the rest it hands back None and nothing moves."""
+    model = Tied()
+    store = FusedWeightStore(copies=False)
+    before = model.q.weight.data_ptr()
+    assert store([model.q.weight, model.k.weight, model.v.weight]) is None
+    assert model.q.weight.data_ptr() == before and store.bytes == 0 and store.shared == 0
+    shared = store([model.q.bias, model.k.bias, model.v.bias])  # three parameters of their own
+    assert shared is not None and store.shared == 1 and rows_of_one_tensor(model.q.bias, model.k.bias, model.v.bias)
+
+
+def test_a_declined_group_stays_unfused_in_the_graph():
+    def three_projections(x, wq, wk, wv):
+        return F.linear(x, wq) + F.linear(x, wk) * F.linear(x, wv)
+
+    gm = torch.fx.symbolic_trace(three_projections)
+    params = {name: torch.nn.Parameter(torch.randn(8, 16)) for name in ("wq", "wk", "wv")}
+    fused_gm, added = fuse_sibling_linears(gm, params)  # what a store that fuses gets
+    assert len(added) == 1 and _linears(fused_gm) == 1
+    declined_gm, added = fuse_sibling_linears(gm, params, concat=lambda parts: None)
+    assert added == [] and _linears(declined_gm) == 3
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(declined_gm(x, *params.values()), three_projections(x, *params.values()))
+
+
+def _linears(gm: torch.fx.GraphModule) -> int:
+    return sum(n.op == "call_function" and n.target in LINEAR_FUNCTIONS for n in gm.graph.nodes)
+
+
+@pytest.mark.cuda
+def test_the_default_fuses_on_cuda_where_the_weights_can_share():
+    torch.manual_seed(0)
+    model, tied = Projections().cuda(), Tied().cuda()
+    compiled_model, backend = compiled(model, compiler="inductor", fuse_sibling_linears=None)
+    for rows in (3, 1):
+        assert_matches_eager(compiled_model, model, torch.randn(rows, 16, device="cuda"))
+    assert backend.stats.shared_fused_weights == 3 and backend.stats.fused_weight_bytes == 0
+    assert rows_of_one_tensor(model.q.weight, model.k.weight, model.v.weight)
+    # Tied weights cannot share: their group stays unfused, and no copy is made.
+    compiled_tied, tied_backend = compiled(tied, compiler="inductor", fuse_sibling_linears=None)
+    x = torch.randn(3, 16, device="cuda")
+    torch.testing.assert_close(compiled_tied(x), tied(x))
+    assert tied_backend.stats.fused_weight_bytes == 0
+    assert tied.q.weight.data_ptr() == tied.storage.data_ptr()
