@@ -108,8 +108,10 @@ def sweep_groups(names: str, device, replays: int) -> list[dict]:
     with torch.inference_mode():
         for features, k in [group for name in names.split(",") for group in GROUPS[name]]:
             row = time_group(features, k, device, replays)
-            us = [f"{row[f'{v}_us']:>8.2f}" if row[f"{v}_us"] else f"{'-':>8}" for v in ("cublas", "skinny", "grouped")]
-            print(f"{'/'.join(map(str, features)):>22} {k:>6} {' '.join(us)}  err {row['max_rel_error']:.1e}", flush=True)
+            us = [f"{row[f'{v}_us']:>8.2f}" if row[f"{v}_us"] else f"{'-':>8}"
+                  for v in ("cublas", "skinny", "grouped")]
+            shape = "/".join(map(str, features))
+            print(f"{shape:>22} {k:>6} {' '.join(us)}  err {row['max_rel_error']:.1e}", flush=True)
             rows.append(row)
     return rows
 

@@ -2,13 +2,13 @@
 
 A decoder's q, k and v linears read one normed hidden state, as its gate and up linears
 read another. `find_skinny_groups(gm, max_features, max_members)` groups the products that
-`find_skinny_linears` lists by the node they read (so by dtype, device and K too) and by
-whether they add a bias, 2 to `max_members` a group, in graph order;
-`rewrite_skinny_groups(gm, target, max_features, max_members)` replaces each group with
-one call `target(x, [w_0, ...], [b_0, ...] or [])`, which must return the members' outputs
-side by side, [1, N_0 + ...], as `torch.cat` of their products would (to rounding), and
-gives each member's users a slice of its columns. Products no group takes are left to
-`rewrite_skinny_linears`.
+`find_skinny_linears` lists by the node they read, or equal reshapes of one node (so by
+dtype, device and K too), and by whether they add a bias, 2 to `max_members` a group, in
+graph order; `rewrite_skinny_groups(gm, target, max_features, max_members)` replaces each
+group with one call `target(x, [w_0, ...], [b_0, ...] or [])` (x: the first member's
+input), which must return the members' outputs side by side, [1, N_0 + ...], as
+`torch.cat` of their products would (to rounding), and gives each member's users a slice
+of its columns. Products no group takes are left to `rewrite_skinny_linears`.
 
 Where the call goes. It replaces products that may lie apart, with other nodes between
 them, among them users of the earlier members. It goes right before the first node that
@@ -39,6 +39,8 @@ _MOVABLE_VIEWS = frozenset({
     _aten.squeeze.dim, _aten.slice.Tensor, _aten.select.int, _aten.as_strided.default,
 })
 
+_RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
+
 
 @dataclasses.dataclass(frozen=True)
 class SkinnyGroup:
@@ -56,9 +58,9 @@ class SkinnyGroup:
 def find_skinny_groups(gm: GraphModule, max_features: int, max_members: int) -> list[SkinnyGroup]:
     """The groups `rewrite_skinny_groups` would make first, as the graph is now, in graph order."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    reading: dict[tuple[Node, bool], list[SkinnyLinear]] = {}
+    reading: dict[tuple, list[SkinnyLinear]] = {}
     for match in find_skinny_linears(gm, max_features):
-        reading.setdefault((match.x, match.bias is not None), []).append(match)
+        reading.setdefault((_input_key(match.x), match.bias is not None), []).append(match)
     groups = [group for members in reading.values() for group in _grouped(members, order, max_members)]
     return sorted(groups, key=lambda group: order[group.members[0].product])
 
@@ -76,6 +78,14 @@ def rewrite_skinny_groups(gm: GraphModule, target, max_features: int, max_member
         gm.graph.lint()
         gm.recompile()
     return count
+
+
+def _input_key(node: Node):
+    """What `node` computes, read through reshapes: a linear of a 3-d input reshapes it to
+    [1, K] itself, so siblings read equal views of one node where the graph was not CSE'd."""
+    if node.op == "call_function" and node.target in _RESHAPES:
+        return (node.target, _input_key(node.args[0]), *[tuple(a) if isinstance(a, list) else a for a in node.args[1:]])
+    return node
 
 
 def _grouped(members: list[SkinnyLinear], order: dict[Node, int], max_members: int) -> list[SkinnyGroup]:
@@ -152,8 +162,9 @@ def _rewrite(gm: GraphModule, group: SkinnyGroup, target) -> None:
     for m in group.members:
         transpose = m.product.args[-1]
         graph.erase_node(m.product)
-        if not transpose.users:
-            graph.erase_node(transpose)
+        for unused in (transpose, m.x):  # a later member's own reshape of the input
+            if not unused.users and unused.op == "call_function" and unused.target in _MOVABLE_VIEWS:
+                graph.erase_node(unused)
 
 
 def _joined_meta(group: SkinnyGroup) -> dict:

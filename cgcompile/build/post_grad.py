@@ -73,7 +73,8 @@ class PostGradPass(CustomGraphPass):
     def __repr__(self) -> str:
         # Part of cgcompile's own compile keys (`compiler.options_key`): no address.
         groups = grouped_skinny_linear.MAX_MEMBERS if self.skinny_linears else 0
-        return f"{type(self).__name__}({self.all_reduces!r}, skinny_linears={self.skinny_linears}, skinny_groups={groups})"
+        return (f"{type(self).__name__}({self.all_reduces!r}, skinny_linears={self.skinny_linears}, "
+                f"skinny_groups={groups})")
 
 
 def post_grad_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True,

@@ -16,10 +16,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import cgcompile
 from cgcompile.build.post_grad import PostGradPass
-from cgcompile.kernels.grouped_skinny_linear import (MAX_MEMBERS, grouped_kernel_call, grouped_launch,
-                                                     grouped_skinny_linear, group_problem)  # noqa: F401 (registers the op)
+from cgcompile.kernels.grouped_skinny_linear import (  # noqa: F401 (grouped_skinny_linear registers the op)
+    MAX_MEMBERS, group_problem, grouped_kernel_call, grouped_launch, grouped_skinny_linear)
 from cgcompile.kernels.skinny_linear import MAX_FEATURES, choose_launch, skinny_linear  # noqa: F401
 from cgcompile.passes.skinny_groups import find_skinny_groups, rewrite_skinny_groups
+from cgcompile.passes.skinny_linear import find_skinny_linears
 from cgcompile.testing.models import RMSNorm
 
 GROUPED = torch.ops.cgcompile.grouped_skinny_linear.default
@@ -228,6 +229,33 @@ def test_a_grouped_product_that_feeds_the_next_group_is_read_from_the_slice():
     assert second.args[0].target is torch.ops.aten.slice.Tensor and second.args[0].args[0] is first
     _assert_in_order(gm)
     _assert_same_results(gm, original, shapes)
+
+
+def test_siblings_that_reshape_a_three_dimensional_input_each_group():
+    # Traced without CSE, each F.linear reshapes x [1, 1, K] to [1, K] itself: equal views of x.
+    def fn(x, wq, wk, wv):
+        return F.linear(x, wq) * 2 + F.linear(x, wk) + F.linear(x, wv)
+
+    shapes = [(1, 1, 16), (16, 16), (16, 16), (16, 16)]
+    gm = _aten_graph(fn, *shapes)
+    assert len({m.x for m in find_skinny_linears(gm, MAX_FEATURES)}) == 3
+    original = _copy(gm)
+    assert rewrite_skinny_groups(gm, GROUPED, MAX_FEATURES, MAX_MEMBERS) == 3
+    assert _count(gm, torch.ops.aten.view.default) == 1  # the other members' reshapes, unused, are gone
+    _assert_in_order(gm)
+    _assert_same_results(gm, original, shapes)
+
+
+def test_inductor_compiles_the_op_and_the_slices_of_its_result():
+    def fn(x, wq, wk, wv, bk, bv):
+        qkv = GROUPED(x, [wq, wk, wv], [])
+        kv = GROUPED(x, [wk, wv], [bk, bv])
+        return qkv[:, :32].sum(-1, keepdim=True) + qkv[:, 32:48] * qkv[:, 48:] + kv[:, 16:]
+
+    torch.manual_seed(0)
+    args = [torch.randn(shape) for shape in [(1, 16), (32, 16), (16, 16), (16, 16), (16,), (16,)]]
+    compiled = torch.compile(fn, backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), fn(*args))
 
 
 def test_the_op_says_why_it_runs_f_linear():
