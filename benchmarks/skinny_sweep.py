@@ -7,6 +7,12 @@ copy bandwidth. Outputs are checked against a float32 product first.
 
     python benchmarks/skinny_sweep.py --json /tmp/sweep.json            # GPU machine, ~4 min
     python benchmarks/skinny_sweep.py --shapes 1b-hf --rows 1 --quick
+
+With --groups, a layer's sibling linears (q/k/v, gate/up: one input, several weights) instead:
+cuBLAS per linear, the skinny kernel per linear, and `grouped_skinny_linear`'s one launch
+for them all (`GROUPS`), each as one CUDA graph over copies of the weights as above.
+
+    python benchmarks/skinny_sweep.py --groups 1b-hf,8b-tp2,8b-tp4 --json /tmp/groups.json   # ~1 min
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 
 from harness import environment, log, measure_peak_bandwidth, synchronize, time_steps, write_json
 
+from cgcompile.kernels.grouped_skinny_linear import grouped_kernel_call
 from cgcompile.kernels.skinny_linear import Launch, choose_launch, skinny_linear_kernel_call
 
 # (out_features, in_features) of one layer's linears as the models run them
@@ -31,6 +38,14 @@ SHAPES = {
     "8b-tp4": [(1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)],
     "70b-tp4": [(2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168)],
     "heads": [(128256, 4096), (64128, 4096)],
+}
+# ((out_features of each sibling), in_features): q/k/v, then gate/up, of one layer
+GROUPS = {
+    "1b-hf": [((2048, 256, 256), 2048), ((5632, 5632), 2048)],  # TinyLlama: gate/up past MAX_FEATURES
+    "1b": [((2048, 1024, 1024), 2048), ((8192, 8192), 2048)],
+    "8b": [((4096, 1024, 1024), 4096), ((14336, 14336), 4096)],
+    "8b-tp2": [((2048, 512, 512), 4096), ((7168, 7168), 4096)],
+    "8b-tp4": [((1024, 256, 256), 4096), ((3584, 3584), 4096)],
 }
 L2_BYTES = 64 * 2**20
 
@@ -49,6 +64,12 @@ def time_launch(ws, xs, launch, device, replays: int):
             else:
                 skinny_linear_kernel_call(x, w, None, launch)
 
+    ms = time_graph(step, device, replays, launch)
+    return None if ms is None else ms / len(ws)
+
+
+def time_graph(step, device, replays: int, what) -> float | None:
+    """ms per replay of one CUDA graph of step(), or None where it does not compile or run."""
     try:
         step()
         synchronize(device)
@@ -56,9 +77,43 @@ def time_launch(ws, xs, launch, device, replays: int):
         with torch.cuda.graph(graph):
             step()
     except Exception as e:  # a launch whose registers or shared memory do not fit
-        log(f"  {launch}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        log(f"  {what}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
         return None
-    return statistics.median(time_steps(lambda i: graph.replay(), replays, 1, device)) / len(ws)
+    return statistics.median(time_steps(lambda i: graph.replay(), replays, 1, device))
+
+
+def time_group(features: tuple[int, ...], k: int, device, replays: int) -> dict:
+    """us per group of sibling linears (one input, a weight each): cuBLAS and the skinny kernel
+    per linear, and the grouped kernel once, after checking it against float32."""
+    dtype, nbytes = torch.bfloat16, sum(features) * k * 2
+    copies = max(2, -(-3 * L2_BYTES // nbytes))
+    torch.manual_seed(0)
+    sets = [[torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5 for n in features] for _ in range(copies)]
+    xs = [torch.randn(1, k, dtype=dtype, device=device) for _ in range(copies)]
+    want = torch.cat([F.linear(xs[0].float(), w.float()) for w in sets[0]], -1)
+    error = ((grouped_kernel_call(xs[0], sets[0]).float() - want).abs().max() / want.abs().max()).item()
+    steps = {
+        "cublas": lambda: [F.linear(x, w) for x, ws in zip(xs, sets) for w in ws],
+        "skinny": lambda: [skinny_linear_kernel_call(x, w) for x, ws in zip(xs, sets) for w in ws],
+        "grouped": lambda: [grouped_kernel_call(x, ws) for x, ws in zip(xs, sets)],
+    }
+    timed = {name: time_graph(step, device, replays, name) for name, step in steps.items()}
+    return {"features": list(features), "k": k, "max_rel_error": error,
+            **{f"{name}_us": None if ms is None else 1e3 * ms / copies for name, ms in timed.items()}}
+
+
+def sweep_groups(names: str, device, replays: int) -> list[dict]:
+    print(f"{'features':>22} {'k':>6} {'cublas':>8} {'skinny':>8} {'grouped':>8}  us per group", flush=True)
+    rows = []
+    with torch.inference_mode():
+        for features, k in [group for name in names.split(",") for group in GROUPS[name]]:
+            row = time_group(features, k, device, replays)
+            us = [f"{row[f'{v}_us']:>8.2f}" if row[f"{v}_us"] else f"{'-':>8}"
+                  for v in ("cublas", "skinny", "grouped")]
+            shape = "/".join(map(str, features))
+            print(f"{shape:>22} {k:>6} {' '.join(us)}  err {row['max_rel_error']:.1e}", flush=True)
+            rows.append(row)
+    return rows
 
 
 def check(x, w, launch) -> float:
@@ -74,8 +129,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a few launches only")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--groups", default=None, help=f"time sibling linears instead, of: {','.join(GROUPS)}")
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
+    if args.groups:
+        rows = sweep_groups(args.groups, device, args.replays)
+        if args.json:
+            write_json(args.json, {"environment": environment(device), "groups": rows})
+        wrong = [row["features"] for row in rows if row["max_rel_error"] > 2e-2]
+        if wrong:
+            log(f"the grouped kernel is wrong (relative error over 2e-2) for {wrong}")
+        return 1 if wrong else 0
     peak = measure_peak_bandwidth(device)
     log(f"copy bandwidth {peak:.0f} GB/s")
     launches = candidates(args.quick)

@@ -6,7 +6,8 @@ and returns data. The
 rewrites insert calls to plain tensor functions defined beside them
 (`additive_attention_mask`, `grouped_query_attention`, `small_query_attention`,
 `linear_as_reduction`), which
-run with the graph. `rewrite_skinny_linears` inserts the op its caller hands it.
+run with the graph. `rewrite_skinny_linears` and `rewrite_skinny_groups` insert the op their
+caller hands them.
 Shipped as `cgcompile.passes`.
 """
 
@@ -21,6 +22,7 @@ from .host_constants import hoist_host_constants
 from .padding_safety import PaddingHazard, find_padding_hazards, find_state_hazards
 from .sibling_linears import FusedInput, fuse_sibling_linears
 from .skinny_linear import SkinnyLinear, find_skinny_linears, rewrite_skinny_linears
+from .skinny_groups import SkinnyGroup, find_skinny_groups, rewrite_skinny_groups
 from .small_query import lower_small_query_attention
 from .split import PieceSpec, SplitGraph, split_graph
 from .matvec_reduction import linear_as_reduction, matvec_as_reduction
@@ -35,6 +37,7 @@ __all__ = [
     "PaddingHazard",
     "PieceSpec",
     "SplitGraph",
+    "SkinnyGroup",
     "SkinnyLinear",
     "SplitReason",
     "address",

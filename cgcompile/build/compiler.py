@@ -179,7 +179,7 @@ class PieceCompiler:
         Inductor's config, and keys the compiles by it; with `fuse_all_reduce_norm` the pass
         also fuses all-reduces with the residual add and RMS norm after them.
     skinny_linears: `Config.skinny_linears`; the same pass hands products of one row to
-        `cgcompile::skinny_linear` (`build.post_grad`).
+        the skinny linear ops (`build.post_grad`).
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
@@ -257,8 +257,13 @@ class PieceCompiler:
 
     @property
     def skinny_linear_count(self) -> int:
-        """Products handed to the skinny linear op by the compiles Inductor ran."""
+        """Products handed to the skinny linear ops (single or grouped) by the compiles Inductor ran."""
         return 0 if self.post_grad_pass is None else self.post_grad_pass.rewritten_linears
+
+    @property
+    def grouped_skinny_linear_count(self) -> int:
+        """Of those, the products run in groups by the grouped skinny linear op."""
+        return 0 if self.post_grad_pass is None else self.post_grad_pass.grouped_linears
 
     def _inductor(self, compile_fn: Callable, *args) -> Callable:
         """compile_fn(*args) with the post-grad pass in Inductor's config."""

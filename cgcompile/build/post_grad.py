@@ -5,9 +5,10 @@ graph it compiles. `PostGradPass` runs, in order:
 
 - the all-reduce route and its fusion with the residual add and RMS norm
   (`parallel.inductor_all_reduce.RouteCompiledAllReduces`, `Config.all_reduce` not "nccl");
-- products of one row handed to `cgcompile::skinny_linear` (`Config.skinny_linears`,
-  `passes.skinny_linear`): after the all-reduce fusion, which reads the products' outputs
-  whatever makes them.
+- products of one row handed to the skinny linear ops (`Config.skinny_linears`): those that
+  read the same input, 2 to 4 at a time, to one `cgcompile::grouped_skinny_linear` each
+  (`passes.skinny_groups`), the rest to `cgcompile::skinny_linear` (`passes.skinny_linear`);
+  after the all-reduce fusion, which reads the products' outputs whatever makes them.
 
 Why it is sound with Inductor's FX graph cache: the cache keys a compile by `uuid()`, the
 hash of the sources that decide each rewrite and the all-reduce choices, so a compile made
@@ -26,9 +27,10 @@ from typing import Any, Iterator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..kernels import skinny_linear
+from ..kernels import grouped_skinny_linear, skinny_linear
 from ..parallel.all_reduce_choice import NCCL
 from ..parallel.inductor_all_reduce import RouteCompiledAllReduces
+from ..passes import skinny_groups as group_rewrite
 from ..passes import skinny_linear as skinny_rewrite
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,14 @@ POST_GRAD_PASS = "post_grad_custom_post_pass"  # the Inductor option the pass go
 
 class PostGradPass(CustomGraphPass):
     """The post-grad rewrites of one PieceCompiler. `rewritten_linears` counts the products
-    handed to the skinny linear op by the compiles Inductor ran (a compile served from
-    Inductor's cache runs no pass)."""
+    handed to either skinny linear op by the compiles Inductor ran (a compile served from
+    Inductor's cache runs no pass), `grouped_linears` those of them run in groups."""
 
     def __init__(self, all_reduces: RouteCompiledAllReduces | None = None, skinny_linears: bool = False):
         self.all_reduces = all_reduces
         self.skinny_linears = skinny_linears
         self.rewritten_linears = 0
+        self.grouped_linears = 0
 
     def __call__(self, graph) -> None:
         # torch hands a Graph (older releases: its GraphModule); each rewrite recompiles the module.
@@ -52,8 +55,16 @@ class PostGradPass(CustomGraphPass):
         if self.all_reduces is not None:
             self.all_reduces(gm)
         if self.skinny_linears:
-            self.rewritten_linears += skinny_rewrite.rewrite_skinny_linears(
-                gm, torch.ops.cgcompile.skinny_linear.default, skinny_linear.MAX_FEATURES)
+            self._rewrite_linears(gm)
+
+    def _rewrite_linears(self, gm: torch.fx.GraphModule) -> None:
+        # Groups first: the products no group takes are left for the single op.
+        grouped = group_rewrite.rewrite_skinny_groups(gm, torch.ops.cgcompile.grouped_skinny_linear.default,
+                                                      skinny_linear.MAX_FEATURES, grouped_skinny_linear.MAX_MEMBERS)
+        single = skinny_rewrite.rewrite_skinny_linears(gm, torch.ops.cgcompile.skinny_linear.default,
+                                                       skinny_linear.MAX_FEATURES)
+        self.grouped_linears += grouped
+        self.rewritten_linears += grouped + single
 
     def uuid(self) -> Any:
         return (None if self.all_reduces is None else self.all_reduces.uuid(),
@@ -61,7 +72,9 @@ class PostGradPass(CustomGraphPass):
 
     def __repr__(self) -> str:
         # Part of cgcompile's own compile keys (`compiler.options_key`): no address.
-        return f"{type(self).__name__}({self.all_reduces!r}, skinny_linears={self.skinny_linears})"
+        groups = grouped_skinny_linear.MAX_MEMBERS if self.skinny_linears else 0
+        return (f"{type(self).__name__}({self.all_reduces!r}, skinny_linears={self.skinny_linears}, "
+                f"skinny_groups={groups})")
 
 
 def post_grad_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True,
@@ -95,7 +108,8 @@ def compiling_with(rewrites: PostGradPass | None) -> Iterator[None]:
 
 @functools.cache
 def _skinny_sources_hash() -> str:
-    return get_hash_for_files((skinny_rewrite.__file__, skinny_linear.__file__)).hex()
+    return get_hash_for_files((skinny_rewrite.__file__, group_rewrite.__file__, skinny_linear.__file__,
+                               grouped_skinny_linear.__file__)).hex()
 
 
 @functools.cache

@@ -77,17 +77,25 @@ def skinny_linear_kernel_call(x: torch.Tensor, weight: torch.Tensor, bias: torch
     from .skinny_linear_kernel import skinny_linear_kernel
 
     n, k = weight.shape
-    row = x.reshape(k)
-    if row.stride(0) != 1:
-        row = row.contiguous()
     launch = launch or choose_launch(n, k)
     y = torch.empty(n, dtype=x.dtype, device=x.device)
-    pdl = _dependent_launch(x.device)
-    skinny_linear_kernel[(_cdiv(n, launch.block_n),)](
-        row, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, HAS_BIAS=bias is not None, EVEN_K=k % launch.block_k == 0,
-        PDL=pdl, num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}))
+    skinny_linear_kernel[(cdiv(n, launch.block_n),)](
+        one_row(x, k), weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
+        HAS_BIAS=bias is not None, **launch_arguments(launch, k, x.device))
     return y.view(*x.shape[:-1], n)
+
+
+def one_row(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x's one row as a [k] vector of unit stride, as the kernels read it."""
+    row = x.reshape(k)
+    return row if row.stride(0) == 1 else row.contiguous()
+
+
+def launch_arguments(launch: Launch, k: int, device: torch.device) -> dict:
+    """The kernels' block sizes, their other constexprs but HAS_BIAS, and the launch options."""
+    pdl = dependent_launch(device)
+    return dict(BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, EVEN_K=k % launch.block_k == 0, PDL=pdl,
+                num_warps=launch.num_warps, num_stages=launch.num_stages, **({"launch_pdl": True} if pdl else {}))
 
 
 @torch.library.custom_op("cgcompile::skinny_linear", mutates_args=())
@@ -104,7 +112,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _dependent_launch(device: torch.device) -> bool:
+def dependent_launch(device: torch.device) -> bool:
     """Programmatic dependent launch (Hopper and later): the kernel's launch overlaps the tail
     of the kernel before it. Without it an 8B step ran 1.2 us more per skinny kernel between
     kernels than with cuBLAS's, whose kernels took longer (benchmarks/RESULTS.md)."""
@@ -116,7 +124,7 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
