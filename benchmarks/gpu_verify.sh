@@ -16,7 +16,8 @@ OUT=${OUT:?set OUT to a folder for the logs}
 LIMIT=${1:-500}
 LOGS=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1
+# SKIP_INSTALL=1: installed already (several instances at once, one per GPU, must not race).
+[[ -n ${SKIP_INSTALL:-} ]] || python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1
 # timm and diffusers for the second zoo: the GPU machine has no network, so their wheels come
 # in .whl/ (downloaded beside the checkout, carried with it); without them those rows skip.
 if compgen -G ".whl/*.whl" >/dev/null; then
