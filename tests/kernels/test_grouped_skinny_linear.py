@@ -287,8 +287,10 @@ def test_the_pass_names_the_groups_in_its_key():
     assert "skinny_groups=0" in repr(PostGradPass(skinny_linears=False))
 
 
-def test_the_group_launch_is_chosen_for_all_members_features():
-    assert grouped_launch([2048, 256, 256], 2048) == choose_launch(2560, 2048)
+def test_the_group_launch_is_chosen_for_its_largest_member():
+    assert grouped_launch([2048, 256, 256], 2048) == choose_launch(2048, 2048)
+    # gate/up of a TP=4 8B rank: blocks as for one 3584-feature weight, not for 7168 features
+    assert grouped_launch([3584, 3584], 4096) == choose_launch(3584, 4096) != choose_launch(7168, 4096)
 
 
 def test_the_grouped_kernel_under_the_triton_interpreter():

@@ -11,6 +11,9 @@ import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import cgcompile
 from cgcompile.build.compiler import PieceCompiler
@@ -235,3 +238,46 @@ def test_cuda_fused_all_reduce_norm_equals_nccl_and_the_unfused_ops():
         for check in ("fused eager calls equal the unfused ops", "fused calls in graphs replayed in any order",
                       "compiled layers fuse and equal the unfused compile"):
             assert f"rank {rank}: {check}: ok" in out, out
+
+
+def tp_layer(x, residual, norm_weight, wq, wk, wv, wo, wg, wu, wd):
+    """A tensor-parallel decoder layer of one row: separate q/k/v and gate/up shards, each
+    all-reduce followed by the residual add and RMS norm."""
+    h, y = cgcompile_norm(x, residual, norm_weight)
+    q, k, v = F.linear(y, wq), F.linear(y, wk), F.linear(y, wv)
+    h, y = cgcompile_norm(F.linear(q + k.repeat(1, 2) * v.repeat(1, 2), wo), h, norm_weight)
+    return h, F.linear(F.silu(F.linear(y, wg)) * F.linear(y, wu), wd)
+
+
+TP_LAYER_SHAPES = [(1, 64), (1, 64), (64,), (32, 64), (16, 64), (16, 64), (64, 32), (96, 64), (96, 64), (64, 96)]
+
+
+def test_a_layers_fused_chains_feed_its_grouped_and_single_skinny_products():
+    """The post-grad pass's rewrites in their order on one graph: the all-reduce chains
+    fused first, then the one-row products that read their normed outputs grouped (q/k/v,
+    gate/up) or single (o, down). Traced with Inductor's decompositions on fake CUDA
+    tensors; run on the CPU, where the skinny ops are F.linear."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from cgcompile.build.post_grad import PostGradPass
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = [torch.empty(shape, dtype=torch.bfloat16, device="cuda") for shape in TP_LAYER_SHAPES]
+        gm = make_fx(tp_layer, decomposition_table=select_decomp_table(), tracing_mode="fake")(*fake)
+    original = torch.fx.GraphModule(gm, gm.graph.__deepcopy__())
+    assert fuse_all_reduce_norms(gm, find_all_reduce_norms(gm, ALL_REDUCE_OP), FUSED_OP) == 2
+    rewrites = PostGradPass(skinny_linears=True)
+    rewrites(gm)
+    assert (rewrites.grouped_linears, rewrites.rewritten_linears) == (5, 7)
+    gm.graph.lint()  # every node after its inputs
+    fused = [n for n in gm.graph.nodes if n.target is FUSED_OP]
+    grouped = [n for n in gm.graph.nodes if n.target is torch.ops.cgcompile.grouped_skinny_linear.default]
+    assert [g.args[0].args[0] for g in grouped] == fused  # each group reads a fused chain's normed row
+    for node in gm.graph.nodes:
+        if node.target is FUSED_OP:
+            node.target = stand_in_fused
+    gm.recompile()
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(shape, generator=generator).to(torch.bfloat16) for shape in TP_LAYER_SHAPES]
+    for got, want in zip(gm(*inputs), run(original, inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
