@@ -391,8 +391,11 @@ class Compile(_Group):
         Larger products and more rows keep cuBLAS, which was level or faster there. The products are found in Inductor's post-grad graph
         (`cgcompile.passes.skinny_linear`), so a DTensor model's shards are found too. Sums
         are in float32 as cuBLAS's are: results agree with eager to rounding, not bit for
-        bit. Applies to the pieces' Inductor compiles (`compiler="inductor"`), which the
-        default full graph replays; a whole-graph compile (`full_graph_compile`) keeps cuBLAS.""")
+        bit. One-row products of one input that stay separate (2 to 4, each within the limit:
+        a DTensor model's q/k/v shards, unfused siblings) run in one launch
+        (`cgcompile::grouped_skinny_linear`, `cgcompile.passes.skinny_groups`). Applies to the
+        pieces' Inductor compiles (`compiler="inductor"`), which the default full graph
+        replays; a whole-graph compile (`full_graph_compile`) keeps cuBLAS.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
