@@ -3,10 +3,6 @@ input (CPU, on aten graphs traced with fake CUDA tensors), the op's choice betwe
 F.linear, the kernel under Triton's interpreter, and on the GPU the kernel and a compiled model
 with separate q/k/v and gate/up linears against eager."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,13 +289,8 @@ def test_the_group_launch_is_chosen_for_its_largest_member():
     assert grouped_launch([3584, 3584], 4096) == choose_launch(3584, 4096) != choose_launch(7168, 4096)
 
 
-def test_the_grouped_kernel_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    worker = os.path.join(os.path.dirname(__file__), "grouped_skinny_linear_interpret_worker.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "grouped_skinny_linear interpreted: ok" in done.stdout
+def test_the_grouped_kernel_under_the_triton_interpreter(run_interpreted):
+    assert "grouped_skinny_linear interpreted: ok" in run_interpreted("grouped_skinny_linear_interpret_worker.py")
 
 
 # -- GPU --------------------------------------------------------------------------------------

@@ -2,10 +2,6 @@
 graphs traced with fake CUDA tensors), the op's choice between its kernel and F.linear, the
 kernel under Triton's interpreter, and on the GPU the kernel and a compiled model against eager."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,13 +139,8 @@ def test_the_config_turns_the_rewrite_on_by_default():
     assert not cgcompile.Config(skinny_linears=False).compile.skinny_linears
 
 
-def test_the_kernel_under_the_triton_interpreter():
-    pytest.importorskip("triton")
-    worker = os.path.join(os.path.dirname(__file__), "skinny_linear_interpret_worker.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, worker], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "skinny_linear interpreted: ok" in done.stdout
+def test_the_kernel_under_the_triton_interpreter(run_interpreted):
+    assert "skinny_linear interpreted: ok" in run_interpreted("skinny_linear_interpret_worker.py")
 
 
 # -- GPU --------------------------------------------------------------------------------------
