@@ -41,7 +41,7 @@ def grouped_launch(features: Sequence[int], k: int) -> Launch:
     """One launch for the whole group, its blocks sized as for the largest member alone. Sized
     for all the members' features as one weight, two 3584 x 4096 siblings (gate/up of a TP=4
     8B rank) got blocks twice as tall and ran 22.0 us against 19.3 us for two separate
-    launches (H200, `skinny_sweep.py --groups`); q/k/v groups get the same blocks either way."""
+    launches (H200, `benchmarks/skinny_sweep.py --groups`); q/k/v groups get the same blocks either way."""
     return choose_launch(max(features), k)
 
 

@@ -254,7 +254,10 @@ def test_inductor_compiles_the_op_and_the_slices_of_its_result():
     torch.testing.assert_close(compiled(*args), fn(*args))
 
 
-def test_the_op_says_why_it_runs_f_linear():
+def test_the_op_says_why_it_runs_f_linear(monkeypatch):
+    from cgcompile.kernels import skinny_linear as single
+
+    monkeypatch.setattr(single, "triton_available", lambda: True)  # member 0 is fine, with or without Triton here
     with FakeTensorMode():
         x = torch.empty(1, 64, dtype=BF16, device="cuda")
         w = torch.empty(32, 64, dtype=BF16, device="cuda")
