@@ -146,7 +146,7 @@ def kernel_report(loop: PlainLoop, model, batch: int, steps: int, peak_gbs: floa
         trace = json.load(f)
     breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"),
                                       {"gemm": matmul_weight_bytes(model)}, peak_gbs)
-    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=25) + "\n"
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=45) + "\n"
             + step_kernels.format_breakdown(breakdown, floor, peak_gbs))
 
 
