@@ -83,7 +83,9 @@ class Backend:
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
-        self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options), self.config.split.cudnn_attention)
+        self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options),
+                                                  self.config.split.cudnn_attention,
+                                                  self.config.compile.decode_attention_kernel)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget
         # Config.fuse_sibling_linears, shared by all graphs; copies only where asked for (True).
         self._fused_weights = FusedWeightStore(copies=self.config.rewrites.fuse_sibling_linears is True)

@@ -396,6 +396,14 @@ class Compile(_Group):
         (`cgcompile::grouped_skinny_linear`, `cgcompile.passes.skinny_groups`). Applies to the
         pieces' Inductor compiles (`compiler="inductor"`), which the default full graph
         replays; a whole-graph compile (`full_graph_compile`) keeps cuBLAS.""")
+    decode_attention_kernel: bool = option(True, _bool, doc="""
+        Where `small_query_attention` lowers a full graph's decode attention, bf16/fp16 calls
+        on CUDA run `cgcompile::decode_attention` (split-K flash decoding: one or two Triton
+        launches a layer, the cache read once per key head, blocks the mask hides from every row
+        skipped) instead of the batched matmuls, softmax and layout copies. Scores are float32
+        as in SDPA's fused kernels. Calls it cannot serve (float32, inputs that require grad,
+        more than 64 query rows a key head) keep the matmuls. See
+        `cgcompile.kernels.decode_attention`.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where

@@ -12,7 +12,10 @@ and softmax: 8 us for the same layer, 12 us at batch 8 against SDPA's 47
 
 `lower_small_query_attention` rewrites such calls in a graph that Inductor compiles
 (`Config.small_query_attention`, full graphs only): never in pieces, where attention runs
-eagerly and the matmuls and softmax would be several launches in place of one.
+eagerly and the matmuls and softmax would be several launches in place of one. Its caller
+may hand it another form of the same attention: cgcompile hands it
+`cgcompile.kernels.decode_attention` (split-K flash decoding in one or two launches), which
+falls back to this module's matmuls where its kernels cannot serve.
 
 Precision: that of Hugging Face's eager attention. The matmuls accumulate in float32 but
 return the inputs' dtype, so half-precision scores are rounded once before the float32
@@ -67,28 +70,35 @@ def _at_least_float32(x):
 def grouped_small_query_attention(query, key, value, attn_mask=None, scale=None):
     """`grouped_query_attention`'s contract ([B, Hk, G, D] out, rows outer in memory) with
     `small_query_attention` in place of SDPA."""
-    batch, heads, _, head_dim = query.shape
-    key_heads = key.shape[1]
-    out = small_query_attention(query, key, value, attn_mask, scale)  # [B, H, 1, D]
-    grouped = out.view(batch, key_heads, heads // key_heads, head_dim)
+    return grouped_layout(small_query_attention(query, key, value, attn_mask, scale), key.shape[1])
+
+
+def grouped_layout(out, key_heads: int):
+    """One query row's attention [B, H, 1, Dv] in `grouped_query_attention`'s layout."""
+    batch, heads, _, value_dim = out.shape
+    grouped = out.view(batch, key_heads, heads // key_heads, value_dim)
     return grouped.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS) -> int:
+def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS,
+                                attention=small_query_attention, grouped_attention=grouped_small_query_attention) -> int:
     """Rewrite SDPA calls (and `grouped_query_attention` calls) of at most `max_query`
-    static query rows; returns how many. The graph is changed in place."""
+    static query rows to `attention` (and `grouped_attention`), which must keep the
+    contracts of `small_query_attention` (and `grouped_small_query_attention`): another
+    form of the same attention, such as a kernel's. Returns how many; the graph is changed
+    in place."""
     lowered = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         args = sdpa_arguments(node) if node.target in SDPA_FUNCTIONS else None
         if args is not None and _lowerable(args, max_query):
-            node.target = small_query_attention
+            node.target = attention
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = {"attn_mask": args.get("attn_mask"), "scale": args.get("scale")}
             lowered += 1
         elif node.target is grouped_query_attention:
-            node.target = grouped_small_query_attention
+            node.target = grouped_attention
             lowered += 1
     if lowered:
         gm.graph.lint()

@@ -483,6 +483,17 @@ def trace_at_size(gm: torch.fx.GraphModule, args: Sequence) -> torch.fx.GraphMod
 # so nothing about them has to stay eager, and identical layers share one compile.
 
 
+def lower_attention(gm: torch.fx.GraphModule, kernel: bool) -> int:
+    """`lower_small_query_attention` on `gm`, to `cgcompile::decode_attention` where `kernel`
+    (`Config.decode_attention_kernel`) and the traced operands suit it; returns how many."""
+    if not kernel:
+        return lower_small_query_attention(gm)
+    from ..kernels.decode_attention import attention_with_kernel, grouped_attention_with_kernel
+
+    return lower_small_query_attention(gm, attention=attention_with_kernel,
+                                       grouped_attention=grouped_attention_with_kernel)
+
+
 def compile_at_shapes(gm: torch.fx.GraphModule, args: Sequence, options: dict[str, Any],
                       cudnn_attention: bool) -> Callable:
     """Inductor's compile of `gm` at the real `args`' shapes; without cuDNN attention, it
@@ -506,13 +517,14 @@ class FullGraphCode:
 
     def __init__(self, name: str, pieces: Callable, gm: torch.fx.GraphModule | None = None,
                  options: dict[str, Any] | None = None, cudnn_attention: bool = False,
-                 small_query_attention: bool = False, limit: int = 4):
+                 small_query_attention: bool = False, attention_kernel: bool = True, limit: int = 4):
         # Inductor's pre-grad passes rewrite the graph they are handed (and so may we);
         # the dump and the split keep the original.
         self.gm = None if gm is None else torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
         if self.gm is not None and small_query_attention:
-            lowered = lower_small_query_attention(self.gm)
-            log.info("cgcompile: %s: %d attention calls of few query rows lowered to batched matmuls", name, lowered)
+            lowered = lower_attention(self.gm, attention_kernel)
+            log.info("cgcompile: %s: %d attention calls of few query rows lowered%s", name, lowered,
+                     " (decode attention kernel where the operands suit it)" if attention_kernel else "")
         self.name = name
         self.pieces = pieces
         self.options = dict(options or {})
@@ -541,14 +553,16 @@ class EagerPieceCompiles:
     (it then runs as it is).
     """
 
-    def __init__(self, options: dict[str, Any], cudnn_attention: bool, limit: int = 16):
+    def __init__(self, options: dict[str, Any], cudnn_attention: bool, attention_kernel: bool = True,
+                 limit: int = 16):
         self.options = dict(options)
         self.cudnn_attention = cudnn_attention
+        self.attention_kernel = attention_kernel  # Config.decode_attention_kernel
         self.compiles = CompileCache(limit=limit, fall_back=True)
 
     def for_piece(self, gm: torch.fx.GraphModule) -> Callable | None:
         lowered = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        if not lower_small_query_attention(lowered):
+        if not lower_attention(lowered, self.attention_kernel):
             return None
         return lambda *args: self._run(lowered, args)
 

@@ -412,15 +412,17 @@ def full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph, r
         return FullGraphChoice(None, f"piecewise only: {plan}{note}", NO_PLAN)
     buffer = scalars.buffer if scalars else None
     graph = _make_full_graph(build, gm, split, runners, session, eager_compiles, options, plan, buffer)
-    return FullGraphChoice(graph, _full_graph_summary(plan, options) + note,
+    return FullGraphChoice(graph, _full_graph_summary(plan, options, build.config) + note,
                            CHOSEN_AUTOMATICALLY if automatic else CHOSEN_BY_CONFIG)
 
 
-def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions) -> str:
+def _full_graph_summary(plan: FullGraphPlan, options: FullGraphOptions, config: Config) -> str:
     checked = [plan.names[i] for i in plan.by_address] + [plan.names[i] for i, _ in plan.host_values]
     runs = "the whole graph compiled as one per size" if options.full_graph_compile else "the pieces' code in order"
     if options.small_query_attention:
         runs += ", attention of few query rows compiled as batched matmuls"
+        if config.compile.decode_attention_kernel:
+            runs += " or run by the decode attention kernel where its operands suit it"
     written = [plan.names[i] for i in plan.device_scalars]
     read = f"; it reads these from a device buffer written per call: {written}" if written else ""
     return f"full graph per call where these match the capture: {checked or 'nothing'}; it runs {runs}{read}"
@@ -444,7 +446,8 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
     n_at = None if dim is None else (build.analysis.capture_index, dim.dim)  # where a call's n is read
     pieces = plain_function(split.stitch, runners.runners, n_at, config.split.cudnn_attention, eager)
     code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
-                         config.split.cudnn_attention, options.small_query_attention)
+                         config.split.cudnn_attention, options.small_query_attention,
+                         config.compile.decode_attention_kernel)
     return FullGraph(name, plan, code, session, copies, cudagraphs=build.analysis.cudagraphs, scalars=scalars)
 
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import cgcompile
 from cgcompile.errors import ConfigError
+from cgcompile.kernels.decode_attention import attention_with_kernel
 from cgcompile.passes import lower_small_query_attention
 from cgcompile.passes.small_query import grouped_small_query_attention, small_query_attention
 from cgcompile.passes.sdpa import grouped_query_attention
@@ -156,9 +157,12 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole, compiler):
     assert backend.stats.full_graph_calls == 4 and backend.stats.full_graph_compilations == 1
     if whole:
         decode = backend.runtimes[-1].full.code
-        assert sum(n.target is small_query_attention for n in decode.gm.graph.nodes) == 2  # both layers
+        # Both layers, to the kernel's form (Config.decode_attention_kernel), which runs the
+        # matmuls on the CPU.
+        assert sum(n.target is attention_with_kernel for n in decode.gm.graph.nodes) == 2
     # The piecewise calls (each graph's first) ran SDPA as it was: nothing lowered there.
-    assert all(n.target is not small_query_attention for p in backend.pieces for n in p.graph.graph.nodes)
+    assert all(n.target not in (small_query_attention, attention_with_kernel)
+               for p in backend.pieces for n in p.graph.graph.nodes)
 
 
 def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):

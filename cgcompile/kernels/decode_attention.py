@@ -1,0 +1,152 @@
+"""`cgcompile::decode_attention`: attention of a few query rows over a cache, in one or two launches.
+
+`Config.small_query_attention` lowers decode attention inside a full graph to two batched
+matmuls around a softmax (`cgcompile.passes.small_query`): those spread over the GPU where
+SDPA's kernels walk the keys with one block per head. They are still five to seven launches
+a layer (the two products, the softmax, the query and key layouts), each a few
+microseconds at batch 1. This op does the same attention as split-K flash decoding:
+`decode_attention_kernel` attends each (batch, key head)'s query rows over one split of the
+positions, and `combine_splits_kernel` adds the splits up (see there).
+
+The op takes any operands: it runs the kernels where `kernel_problem` finds nothing against
+them and `small_query_attention`'s batched matmuls otherwise, so a graph that calls it is
+valid at every size. `attention_with_kernel` is what the lowering calls in the graph: the op
+where the traced operands suit the kernel, the batched matmuls where they never will.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..passes.matvec_reduction import HALF_DTYPES
+from ..passes.small_query import grouped_layout, small_query_attention
+from .skinny_linear import cdiv, dependent_launch, triton_available
+
+MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
+MAX_HEAD_DIM = 256
+BLOCK_L = 64  # positions a program attends per step of its loop
+MIN_DOT = 16  # tl.dot's smallest block
+
+
+def kernel_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None) -> str | None:
+    """Why `decode_attention` runs the batched matmuls for these operands (None: the kernels).
+    Reads only what a fake tensor has (device, dtype, shapes), never a symbolic length."""
+    if query.dtype not in HALF_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}; the kernels take bf16 or fp16, all alike"
+    if not 3 <= query.dim() <= 4 or key.dim() != query.dim() or value.dim() != query.dim():
+        return f"query of {query.dim()} dims, key {key.dim()}, value {value.dim()}; the kernels take 3 or 4, all alike"
+    heads, tokens, head_dim = query.shape[-3:]
+    key_heads = key.shape[-3]
+    if heads % key_heads or key.shape[-1] != head_dim or value.shape[-3] != key_heads:
+        return (f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+                "the kernels take [B, H, T, D], [B, Hk, L, D], [B, Hk, L, Dv] with H a multiple of Hk")
+    if query.dim() == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
+        return f"batch {query.shape[0]}, {key.shape[0]}, {value.shape[0]}: the kernels take one batch for all"
+    if heads // key_heads * tokens > MAX_ROWS:
+        return f"{heads // key_heads * tokens} query rows a key head; the kernels take up to {MAX_ROWS}"
+    if max(head_dim, value.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dims {head_dim} and {value.shape[-1]}; the kernels take up to {MAX_HEAD_DIM}"
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
+        return "the query, key or value does not have unit stride along its last dim"
+    if attn_mask is not None and (attn_mask.device != query.device or attn_mask.dim() > query.dim()
+                                  or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
+        return f"a mask of {attn_mask.dtype} and {attn_mask.dim()} dims on {attn_mask.device}"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, attn_mask)):
+        return "an input requires grad; the kernels have no backward"
+    if query.device.type != "cuda":
+        return f"the query is on {query.device.type}, the kernels run on CUDA"
+    if not triton_available():
+        return "triton cannot be imported"
+    return None
+
+
+def choose_splits(programs: int, length: int, device: torch.device) -> int:
+    """Positions per split: enough splits that (batch x key heads x splits) programs fill the
+    GPU twice over, each split at least one `BLOCK_L` block."""
+    wanted = max(1, cdiv(2 * _multiprocessors(device), programs))
+    splits = max(1, min(cdiv(length, BLOCK_L), wanted))
+    return cdiv(cdiv(length, splits), BLOCK_L) * BLOCK_L
+
+
+def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 attn_mask: torch.Tensor | None, scale: float,
+                                 chunk: int | None = None) -> torch.Tensor:
+    """The kernels on operands that `kernel_problem` accepts; `chunk` (positions a split, a
+    multiple of `BLOCK_L`) overrides the choice."""
+    from .decode_attention_kernel import combine_splits_kernel, decode_attention_kernel
+
+    lead = query.shape[:-3]
+    q, k, v = (t if t.dim() == 4 else t.unsqueeze(0) for t in (query, key, value))
+    batch, heads, tokens, head_dim = q.shape
+    key_heads, length, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = heads // key_heads
+    out = torch.empty(batch, heads, tokens, value_dim, dtype=q.dtype, device=q.device)
+    mask = None if attn_mask is None else attn_mask.expand(batch, heads, tokens, length)
+    programs = batch * key_heads
+    chunk = chunk or choose_splits(programs, length, q.device)
+    splits = cdiv(length, chunk)
+    block_r = max(MIN_DOT, _next_power_of_2(group * tokens))
+    block_dv = max(MIN_DOT, _next_power_of_2(value_dim))
+    parts = [None, None, None]
+    if splits > 1:
+        parts = [torch.empty(programs, splits, block_r, block_dv, dtype=torch.float32, device=q.device),
+                 torch.empty(programs, splits, block_r, dtype=torch.float32, device=q.device),
+                 torch.empty(programs, splits, block_r, dtype=torch.float32, device=q.device)]
+    pdl = dependent_launch(q.device)
+    launch = dict(num_warps=4 if block_r <= 32 else 8, **({"launch_pdl": True} if pdl else {}))
+    decode_attention_kernel[(programs, splits)](
+        q, k, v, mask if mask is not None else q, out, *[p if p is not None else out for p in parts],
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+        key_heads, tokens, group, length, chunk, head_dim, value_dim, scale,
+        BLOCK_R=block_r, BLOCK_L=BLOCK_L, BLOCK_D=max(MIN_DOT, _next_power_of_2(head_dim)), BLOCK_DV=block_dv,
+        HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
+        SPLIT=splits > 1, PDL=pdl, **launch)
+    if splits > 1:
+        combine_splits_kernel[(programs,)](out, *parts, splits, key_heads, tokens, group, value_dim,
+                                           BLOCK_R=block_r, BLOCK_DV=block_dv, PDL=pdl, **launch)
+    return out.view(*lead, heads, tokens, value_dim)
+
+
+@torch.library.custom_op("cgcompile::decode_attention", mutates_args=())
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`small_query_attention(query, key, value, attn_mask, scale)`: by the kernels where
+    `kernel_problem` allows, else by its batched matmuls. Put in graphs by the lowering for
+    inference only (`kernel_problem` refuses inputs that require grad), so it has no backward."""
+    if kernel_problem(query, key, value, attn_mask) is None:
+        return decode_attention_kernel_call(query, key, value, attn_mask, scale)
+    return small_query_attention(query, key, value, attn_mask, scale).contiguous()
+
+
+@decode_attention.register_fake
+def _(query, key, value, attn_mask, scale):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def attention_with_kernel(query, key, value, attn_mask=None, scale=None):
+    """`small_query_attention`'s contract, as the lowering puts it in a graph: the op where the
+    traced operands suit the kernels, the batched matmuls (which Inductor fuses) where not."""
+    if kernel_problem(query, key, value, attn_mask) is not None:
+        return small_query_attention(query, key, value, attn_mask, scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.cgcompile.decode_attention(query, key, value, attn_mask, scale)
+
+
+def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None):
+    """`grouped_small_query_attention`'s contract with `attention_with_kernel` inside."""
+    return grouped_layout(attention_with_kernel(query, key, value, attn_mask, scale), key.shape[1])
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter on the CPU: a few splits, to run the combine kernel
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,70 @@
+"""The decode attention kernels under Triton's interpreter, on the CPU (run by
+tests/kernels/test_decode_attention.py with TRITON_INTERPRET=1): every path of the kernels
+(one split and several, bool and additive masks and none, blocks every row masks out, rows
+every position masks out, grouped heads, several tokens, head dims that are not powers of
+two, strided queries) against float64 SDPA over repeated keys and values. In float16 only:
+the interpreter's tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9), so
+bfloat16 is checked on the GPU (test_decode_attention.py)."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from cgcompile.kernels.decode_attention import BLOCK_L, decode_attention_kernel_call
+
+
+def reference(q, k, v, mask, scale):
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = (t.double().repeat_interleave(groups, dim=-3) for t in (k, v))
+    if mask is not None and mask.is_floating_point():
+        mask = mask.double()
+    out = F.scaled_dot_product_attention(q.double(), k, v, attn_mask=mask, scale=scale)
+    if mask is not None:  # rows every position masks out: zeros (SDPA's math path gives NaN)
+        hidden = (mask if mask.dtype == torch.bool else mask > float("-inf")).logical_not().all(-1, keepdim=True)
+        out = out.masked_fill(hidden.expand(out.shape[:-1] + (1,)), 0.0)
+    return out
+
+
+def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_dim, mask_kind, chunk, strided_query):
+    heads = key_heads * group
+    if strided_query:  # [B, T, H, D] transposed, as a model's projection makes it
+        q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        q = torch.randn(batch, heads, tokens, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, key_heads, length, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, key_heads, length, value_dim, generator=gen).to(dtype)
+    mask = None
+    if mask_kind == "bool":  # a static cache: the first positions only, less for some rows
+        mask = torch.zeros(batch, 1, tokens, length, dtype=torch.bool)
+        mask[..., : max(1, length // 3)] = True
+        mask[..., -1, : max(1, length // 3) - 1] = True
+        mask[0, 0, 0] = False  # batch 0's first token sees nothing
+    elif mask_kind == "float":
+        mask = torch.randn(1, heads, tokens, length, generator=gen).to(dtype)
+        mask[..., length // 2:] = float("-inf")
+    scale = 0.3 if head_dim % 2 else None
+    want = reference(q, k, v, mask, scale)
+    got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk)
+    assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        # dtype, batch, key heads, group, tokens, length, head dim, value dim, mask, chunk, strided query
+        (torch.float16, 1, 2, 2, 1, 200, 32, 32, "bool", None, True),  # several splits, the last partial
+        (torch.float16, 2, 1, 4, 1, 70, 16, 16, None, None, False),
+        (torch.float16, 2, 2, 1, 3, 130, 24, 40, "float", BLOCK_L, False),  # dims not powers of two
+        (torch.float16, 1, 1, 8, 2, 50, 16, 16, "bool", 4 * BLOCK_L, True),  # one split: no combine
+        (torch.float16, 1, 2, 2, 1, 300, 16, 16, "bool", BLOCK_L, False),  # splits every row masks out
+    ]
+    for args in cases:
+        case(gen, *args)
+    print("decode_attention interpreted: ok")
+
+
+if __name__ == "__main__":
+    main()
