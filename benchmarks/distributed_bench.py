@@ -41,7 +41,8 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
                     torch symmetric memory where the group allows it; CUDA only)
 
 --all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md),
---no-fuse-norm turns Config.fuse_all_reduce_norm off, --no-skinny Config.skinny_linears;
+--no-fuse-norm turns Config.fuse_all_reduce_norm off, --no-skinny Config.skinny_linears,
+--no-decode-attention-kernel Config.decode_attention_kernel;
 --tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
 small-query one alone, tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
 multicast stays off in every run.
@@ -92,6 +93,7 @@ ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce
 MATVEC = False  # Config.matvec_as_reduction of every compiled variant on CUDA (--matvec-as-reduction)
 FUSE_NORM = True  # Config.fuse_all_reduce_norm of every compiled variant (--no-fuse-norm)
 SKINNY = True  # Config.skinny_linears of every compiled variant (--no-skinny)
+DECODE_KERNEL = True  # Config.decode_attention_kernel of every compiled variant (--no-decode-attention-kernel)
 
 
 def parse_args():
@@ -110,6 +112,8 @@ def parse_args():
                    help="Config(fuse_all_reduce_norm=False): each all-reduce, residual add and RMS norm apart")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
+    p.add_argument("--no-decode-attention-kernel", action="store_true",
+                   help="Config(decode_attention_kernel=False): full-sq's attention as batched matmuls")
     p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
                    help="TP variants: cgcompile, eager, full (both full-graph ones), full-sq (the small-query one), "
@@ -139,7 +143,8 @@ def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8
         capture_sizes=tuple(sorted(set(sizes))), compiler="inductor" if cuda else "eager",
         capture_error_mode="thread_local",
         reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE,
-        fuse_all_reduce_norm=FUSE_NORM, skinny_linears=SKINNY, **split, **matvec))
+        fuse_all_reduce_norm=FUSE_NORM, skinny_linears=SKINNY, decode_attention_kernel=DECODE_KERNEL,
+        **split, **matvec))
 
 
 def full_variants(device, variants) -> tuple[tuple[str, bool], ...]:
@@ -397,9 +402,9 @@ def whole_model_parts(cfg, device, dtype, args, report, floor):
 
 def main():
     args = parse_args()
-    global ALL_REDUCE, MATVEC, FUSE_NORM, SKINNY
+    global ALL_REDUCE, MATVEC, FUSE_NORM, SKINNY, DECODE_KERNEL
     ALL_REDUCE, MATVEC, FUSE_NORM = args.all_reduce, args.matvec_as_reduction, not args.no_fuse_norm
-    SKINNY = not args.no_skinny
+    SKINNY, DECODE_KERNEL = not args.no_skinny, not args.no_decode_attention_kernel
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []
     with torchrun_worker(args.device) as device:

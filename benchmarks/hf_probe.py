@@ -199,6 +199,8 @@ def parse_args(argv=None):
                    help="Config(matvec_as_reduction=True): one-row linears as Inductor reductions, not cuBLAS")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
+    p.add_argument("--no-decode-attention-kernel", action="store_true",
+                   help="Config(decode_attention_kernel=False): the full graph's decode attention as batched matmuls")
     p.add_argument("--coordinate-descent", action="store_true",
                    help='Config(inductor_options={"coordinate_descent_tuning": True}): Inductor tunes every kernel')
     p.add_argument("--profile-generate", action="store_true",
@@ -223,6 +225,7 @@ def main(argv=None) -> int:
     floor = floor_ms(weight_bytes, peak_gbs) if peak_gbs else None
     config = cgcompile.Config(fuse_sibling_linears=args.fuse_sibling_linears, matvec_as_reduction=args.matvec_reduction,
                               skinny_linears=not args.no_skinny,
+                              decode_attention_kernel=not args.no_decode_attention_kernel,
                               inductor_options={"coordinate_descent_tuning": True} if args.coordinate_descent else {})
     if device.type != "cuda":
         config = dataclasses.replace(config, compiler="eager")

@@ -10,7 +10,10 @@
 #                  add and RMS norm apart), beside tp_8b_n2_auto's fused one
 #   tp_8b_n2_cublas  the TP=2 and TP=1 steps with Config.skinny_linears off (one-row linears on
 #                  cuBLAS), beside tp_8b_n2_auto's
+#   tp_8b_n2_mmattn  the TP=2 and TP=1 steps with Config.decode_attention_kernel off (full-sq's
+#                  attention as batched matmuls), beside tp_8b_n2_auto's decode attention kernel
 #   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
+#   tp_8b_n4_mmattn  (N=4) the TP=4 and TP=1 steps with Config.decode_attention_kernel off
 #   tp_8b_n4_unfused  (N=4) the TP=4 step unfused
 #   tp_8b_n4_cublas  (N=4) the TP=4 and TP=1 steps with Config.skinny_linears off
 #   tp_70b_n4      (N=4) 70B-class shape at TP=4 (each rank builds its shard), against the
@@ -88,6 +91,8 @@ step tp_8b_n2_unfused && run tp_8b_n2_unfused 200 "${TORCHRUN[@]}" --nproc-per-n
     --no-fuse-norm --json "$OUT/tp_8b_n2_unfused.json"
 step tp_8b_n2_cublas && run tp_8b_n2_cublas 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
     --no-skinny --json "$OUT/tp_8b_n2_cublas.json"
+step tp_8b_n2_mmattn && run tp_8b_n2_mmattn 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
+    --no-decode-attention-kernel --json "$OUT/tp_8b_n2_mmattn.json"
 step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_MATVEC[@]}" \
     --json "$OUT/tp_8b_n2_matvec.json"
 if ((N >= 4)); then
@@ -97,6 +102,8 @@ if ((N >= 4)); then
       --no-fuse-norm --json "$OUT/tp_8b_n4_unfused.json"
   step tp_8b_n4_cublas && run tp_8b_n4_cublas 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --no-skinny --json "$OUT/tp_8b_n4_cublas.json"
+  step tp_8b_n4_mmattn && run tp_8b_n4_mmattn 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
+      --no-decode-attention-kernel --json "$OUT/tp_8b_n4_mmattn.json"
   step tp_70b_n4 && run tp_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/distributed_bench.py \
       --models 70b --batches 1,8 --parts tp --tp-variants cgcompile,full-sq --steps 20 --warmup 3 \
       --json "$OUT/tp_70b_n4.json"
