@@ -9,9 +9,10 @@ program writes the output itself.
 
 Rows: the G query heads of a key head times the T query tokens, G * T rows of one program
 (row r is query head hk * G + r // T, token r % T), so the keys and values are read once per
-key head, never repeated per query head. A block of positions that the mask hides from
-every row of the program is not read at all (a static cache's positions past the current
-length cost the mask's bytes only).
+key head, never repeated per query head. A position that the mask hides from every row of
+the program is never read (a static cache's positions past the current length cost the
+mask's bytes only, and a block of them is skipped whole), so whatever lies there, NaN
+included, cannot reach the output.
 
 Precision: the scores are float32 products of the half-precision inputs, as SDPA's fused
 kernels compute them; the probabilities are rounded to the values' dtype before the second
@@ -78,9 +79,10 @@ def decode_attention_kernel(
             else:
                 bias = tl.load(m_ptrs, mask=keep, other=float("-inf")).to(tl.float32)
                 keep = keep & (bias != float("-inf"))
-        if tl.max(keep.to(tl.int32)) > 0:  # else no row attends to this block: skip its keys and values
+        read = tl.max(keep.to(tl.int32), axis=0) > 0  # [BLOCK_L]: positions some row attends to
+        if tl.max(read.to(tl.int32)) > 0:  # else skip the block's keys and values
             k = tl.load(k_ptr + b * sk_b + hk * sk_h + pos[:, None] * sk_l + d[None, :],
-                        mask=pos_ok[:, None] & (d < head_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
+                        mask=read[:, None] & (d < head_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
             scores = tl.dot(q, tl.trans(k)) * scale + bias  # [BLOCK_R, BLOCK_L], float32
             scores = tl.where(keep, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -89,7 +91,7 @@ def decode_attention_kernel(
             rescale = tl.exp(row_max - base)
             row_sum = row_sum * rescale + tl.sum(probs, axis=1)
             v = tl.load(v_ptr + b * sv_b + hk * sv_h + pos[:, None] * sv_l + dv[None, :],
-                        mask=pos_ok[:, None] & (dv < value_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_DV]
+                        mask=read[:, None] & (dv < value_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_DV]
             acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
             row_max = new_max
     if PDL:

@@ -2,7 +2,7 @@
 tests/kernels/test_decode_attention.py with TRITON_INTERPRET=1): every path of the kernels
 (one split and several, bool and additive masks and none, blocks every row masks out, rows
 every position masks out, grouped heads, several tokens, head dims that are not powers of
-two, strided queries) against float64 SDPA over repeated keys and values. In float16 only:
+two, strided queries, NaN where no row looks) against float64 SDPA over repeated keys and values. In float16 only:
 the interpreter's tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9), so
 bfloat16 is checked on the GPU (test_decode_attention.py)."""
 
@@ -45,6 +45,10 @@ def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_di
         mask[..., length // 2:] = float("-inf")
     scale = 0.3 if head_dim % 2 else None
     want = reference(q, k, v, mask, scale)
+    if mask_kind == "bool":  # what no row may read: NaN would reach the output if read
+        k, v = k.clone(), v.clone()
+        k[:, :, max(1, length // 3):] = float("nan")
+        v[:, :, max(1, length // 3):] = float("nan")
     got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk)
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
