@@ -25,6 +25,10 @@ from ..passes.small_query import grouped_layout, small_query_attention
 from .skinny_linear import cdiv, dependent_launch, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
+# Cache positions. On an H200 (benchmarks/decode_attention_bench.py, RESULTS.md) the kernels
+# beat the matmuls at 256 positions, and lost at 1,024 (the project's TP decoder, 256 filled)
+# and 4,096: each program's blocks run one after another, and the combine walks the splits.
+MAX_LENGTH = 512
 MAX_HEAD_DIM = 256
 BLOCK_L = 64  # positions a program attends per step of its loop
 MIN_DOT = 16  # tl.dot's smallest block
@@ -33,7 +37,8 @@ MIN_DOT = 16  # tl.dot's smallest block
 def kernel_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None) -> str | None:
     """Why `decode_attention` runs the batched matmuls for these operands (None: the kernels).
-    Reads only what a fake tensor has (device, dtype, shapes), never a symbolic length."""
+    Reads only what a fake tensor has (device, dtype, shapes), and compares no symbolic size
+    (that would add a guard)."""
     if query.dtype not in HALF_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}; the kernels take bf16 or fp16, all alike"
     if not 3 <= query.dim() <= 4 or key.dim() != query.dim() or value.dim() != query.dim():
@@ -45,6 +50,9 @@ def kernel_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 "the kernels take [B, H, T, D], [B, Hk, L, D], [B, Hk, L, Dv] with H a multiple of Hk")
     if query.dim() == 4 and not (query.shape[0] == key.shape[0] == value.shape[0]):
         return f"batch {query.shape[0]}, {key.shape[0]}, {value.shape[0]}: the kernels take one batch for all"
+    length = key.shape[-2]
+    if not isinstance(length, int) or length > MAX_LENGTH:
+        return f"a cache of {length} positions; the kernels take a static length of up to {MAX_LENGTH}"
     if heads // key_heads * tokens > MAX_ROWS:
         return f"{heads // key_heads * tokens} query rows a key head; the kernels take up to {MAX_ROWS}"
     if max(head_dim, value.shape[-1]) > MAX_HEAD_DIM:

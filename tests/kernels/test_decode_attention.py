@@ -32,6 +32,7 @@ def _operands(device="cpu", dtype=BF16, batch=1, heads=8, key_heads=2, tokens=1,
     (lambda q, k, v, m: (q.repeat(1, 9, 8, 1), k, v, m), "288 query rows a key head; the kernels take up to 64"),
     (lambda q, k, v, m: (q[..., :12], k, v, m), "the kernels take [B, H, T, D]"),
     (lambda q, k, v, m: (q, k, v, m.float()[None]), "a mask of torch.float32 and 5 dims"),
+    (lambda q, k, v, m: (q, k.repeat(1, 1, 20, 1), v.repeat(1, 1, 20, 1), None), "a cache of 800 positions"),
 ])
 def test_the_checks_say_why_the_matmuls_run(change, why):
     q, k, v = _operands()
@@ -69,9 +70,10 @@ def test_the_lowering_keeps_the_matmuls_on_the_cpu():
 
 def test_splits_fill_the_gpu_and_cover_the_cache():
     device = torch.device("cpu")  # the interpreter's 8 multiprocessors: 16 programs wanted
-    assert op.choose_splits(programs=1, length=4096, device=device) == 4096 // 16
+    assert op.choose_splits(programs=1, length=512, device=device) == op.BLOCK_L  # 8 splits of 64
     assert op.choose_splits(programs=2, length=100, device=device) == op.BLOCK_L  # 2 splits of 64
-    assert op.choose_splits(programs=64, length=4096, device=device) == 4096  # enough programs: one split
+    assert op.choose_splits(programs=4, length=512, device=device) == 2 * op.BLOCK_L  # 4 splits of 128
+    assert op.choose_splits(programs=64, length=512, device=device) == 512  # enough programs: one split
 
 
 def _reference(q, k, v, mask, scale):
@@ -83,7 +85,7 @@ def _reference(q, k, v, mask, scale):
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch, heads, key_heads, tokens, length, head_dim", [
     (1, 32, 8, 1, 256, 128),  # an 8B layer, decode
-    (1, 16, 8, 1, 4096, 64),  # a long static cache
+    (1, 16, 8, 1, 512, 64),  # the longest cache the op gives the kernels
     (8, 8, 2, 1, 300, 128),  # a TP=4 rank at batch 8
     (2, 12, 12, 4, 77, 64),  # no grouping, a few tokens
 ])
