@@ -114,8 +114,10 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         SPLIT=splits > 1, PDL=pdl, **launch)
     if splits > 1:
-        combine_splits_kernel[(programs,)](out, *parts, splits, key_heads, tokens, group, value_dim,
-                                           BLOCK_R=block_r, BLOCK_DV=block_dv, PDL=pdl, **launch)
+        combine_splits_kernel[(programs, group * tokens)](
+            out, *parts, splits, key_heads, tokens, group, value_dim, BLOCK_R=block_r,
+            BLOCK_S=_next_power_of_2(splits), BLOCK_DV=block_dv, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}))
     return out.view(*lead, heads, tokens, value_dim)
 
 

@@ -83,6 +83,8 @@ def decode_attention_kernel(
         if tl.max(read.to(tl.int32)) > 0:  # else skip the block's keys and values
             k = tl.load(k_ptr + b * sk_b + hk * sk_h + pos[:, None] * sk_l + d[None, :],
                         mask=read[:, None] & (d < head_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_D]
+            v = tl.load(v_ptr + b * sv_b + hk * sv_h + pos[:, None] * sv_l + dv[None, :],
+                        mask=read[:, None] & (dv < value_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_DV]
             scores = tl.dot(q, tl.trans(k)) * scale + bias  # [BLOCK_R, BLOCK_L], float32
             scores = tl.where(keep, scores, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -90,8 +92,6 @@ def decode_attention_kernel(
             probs = tl.exp(scores - base[:, None])
             rescale = tl.exp(row_max - base)
             row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-            v = tl.load(v_ptr + b * sv_b + hk * sv_h + pos[:, None] * sv_l + dv[None, :],
-                        mask=read[:, None] & (dv < value_dim)[None, :], other=0.0)  # [BLOCK_L, BLOCK_DV]
             acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
             row_max = new_max
     if PDL:
@@ -111,34 +111,33 @@ def combine_splits_kernel(
     out_ptr,  # [B, H, T, DV], contiguous
     part_out_ptr, part_max_ptr, part_sum_ptr,  # as decode_attention_kernel writes them
     splits, key_heads, tokens, group, value_dim,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # decode_attention_kernel's, the partial buffers' row stride
+    BLOCK_S: tl.constexpr,  # >= splits
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per (batch, key head): the splits' outputs, each rescaled from its own
-    maximum to the overall one, summed and divided by the rescaled sum of the softmax."""
+    """One program per (batch, key head) and query row: every split's output for the row at
+    once, each rescaled from its own maximum to the overall one, summed and divided by the
+    rescaled sum of the softmax."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_R)
+    pid = tl.program_id(0)  # b * Hk + hk
+    row = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
     dv = tl.arange(0, BLOCK_DV)
-    first = pid * splits
-    overall = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    for s in range(0, splits):
-        overall = tl.maximum(overall, tl.load(part_max_ptr + (first + s) * BLOCK_R + rows))
-    base = tl.where(overall == float("-inf"), 0.0, overall)
-    total = tl.zeros((BLOCK_R,), tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_DV), tl.float32)
-    for s in range(0, splits):
-        weight = tl.exp(tl.load(part_max_ptr + (first + s) * BLOCK_R + rows) - base)  # 0 for an empty split
-        total += weight * tl.load(part_sum_ptr + (first + s) * BLOCK_R + rows)
-        part = tl.load(part_out_ptr + ((first + s) * BLOCK_R + rows[:, None]) * BLOCK_DV + dv[None, :])
-        acc += weight[:, None] * part
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    s_ok = s < splits
+    stat = (pid * splits + s) * BLOCK_R + row  # [BLOCK_S]
+    maxes = tl.load(part_max_ptr + stat, mask=s_ok, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + stat, mask=s_ok, other=0.0)
+    parts = tl.load(part_out_ptr + stat[:, None] * BLOCK_DV + dv[None, :], mask=s_ok[:, None], other=0.0)
+    overall = tl.max(maxes, axis=0)
+    weight = tl.exp(maxes - tl.where(overall == float("-inf"), 0.0, overall))  # 0 for a split that saw nothing
+    total = tl.sum(weight * sums, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_DV]
     b = pid // key_heads
-    hk = pid % key_heads
-    _store_rows(out_ptr, out, b, hk * group + rows // tokens, rows % tokens, rows, dv, rows < group * tokens,
-                key_heads, group, tokens, value_dim)
+    head = pid % key_heads * group + row // tokens
+    offsets = ((b * key_heads * group + head) * tokens + row % tokens) * value_dim + dv
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=dv < value_dim)
 
 
 @triton.jit
