@@ -25,9 +25,10 @@ from ..passes.small_query import grouped_layout, small_query_attention
 from .skinny_linear import cdiv, dependent_launch, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
-# Cache positions. On an H200 (benchmarks/decode_attention_bench.py, RESULTS.md) the kernels
-# beat the matmuls at 256 positions, and lost at 1,024 (the project's TP decoder, 256 filled)
-# and 4,096: each program's blocks run one after another, and the combine walks the splits.
+# Cache positions. Whole models were measured at caches of up to 512 positions (faster than
+# with the matmuls); at 1,024 the first combine, which walked the splits one after another,
+# lost. The current combine was faster per layer up to 4,096 (benchmarks/RESULTS.md), but the
+# limit stays until whole models confirm it.
 MAX_LENGTH = 512
 MAX_HEAD_DIM = 256
 BLOCK_L = 64  # positions a program attends per step of its loop
