@@ -22,7 +22,7 @@ import torch
 
 from ..passes.matvec_reduction import HALF_DTYPES
 from ..passes.small_query import grouped_layout, small_query_attention
-from .skinny_linear import cdiv, dependent_launch, triton_available
+from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
 # Cache positions. Whole models were measured at caches of up to 512 positions (faster than
@@ -97,8 +97,8 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
     programs = batch * key_heads
     chunk = chunk or choose_splits(programs, length, q.device)
     splits = cdiv(length, chunk)
-    block_r = max(MIN_DOT, _next_power_of_2(group * tokens))
-    block_dv = max(MIN_DOT, _next_power_of_2(value_dim))
+    block_r = max(MIN_DOT, next_power_of_2(group * tokens))
+    block_dv = max(MIN_DOT, next_power_of_2(value_dim))
     parts = [None, None, None]
     if splits > 1:
         parts = [torch.empty(programs, splits, block_r, block_dv, dtype=torch.float32, device=q.device),
@@ -111,13 +111,13 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
         key_heads, tokens, group, length, chunk, head_dim, value_dim, scale,
-        BLOCK_R=block_r, BLOCK_L=BLOCK_L, BLOCK_D=max(MIN_DOT, _next_power_of_2(head_dim)), BLOCK_DV=block_dv,
+        BLOCK_R=block_r, BLOCK_L=BLOCK_L, BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)), BLOCK_DV=block_dv,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         SPLIT=splits > 1, PDL=pdl, **launch)
     if splits > 1:
         combine_splits_kernel[(programs, group * tokens)](
             out, *parts, splits, key_heads, tokens, group, value_dim, BLOCK_R=block_r,
-            BLOCK_S=_next_power_of_2(splits), BLOCK_DV=block_dv, PDL=pdl, num_warps=4,
+            BLOCK_S=next_power_of_2(splits), BLOCK_DV=block_dv, PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
     return out.view(*lead, heads, tokens, value_dim)
 
@@ -157,7 +157,3 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # Triton's interpreter on the CPU: a few splits, to run the combine kernel
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()

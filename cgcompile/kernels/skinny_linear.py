@@ -44,7 +44,7 @@ def choose_launch(n: int, k: int) -> Launch:
     block_n = 1
     while block_n < 8 and block_n * 2 * 512 <= n:
         block_n *= 2
-    return Launch(block_n=block_n, block_k=min(1024, _next_power_of_2(k)))
+    return Launch(block_n=block_n, block_k=min(1024, next_power_of_2(k)))
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -128,7 +128,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_power_of_2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
