@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, meta_for_replacement
+from .graph_values import example_value, replace_with_call
 
 ALL_REDUCE = "_c10d_functional::all_reduce"
 ALL_REDUCE_INPLACE = "_c10d_functional::all_reduce_"
@@ -107,11 +107,7 @@ def route_all_reduces(gm: GraphModule, sites: list[AllReduceSite], target: Calla
         if site.blocker is not None:
             continue
         start, wait = by_name[site.node], by_name[site.wait]
-        with gm.graph.inserting_before(wait):
-            call = gm.graph.call_function(target, (start.args[0], site.reduce_op, site.group_name))
-        call.meta.update(meta_for_replacement(wait))  # the wait's value
-        wait.replace_all_uses_with(call)
-        gm.graph.erase_node(wait)
+        replace_with_call(gm.graph, wait, target, (start.args[0], site.reduce_op, site.group_name))  # the wait's value
         gm.graph.erase_node(start)
         routed += 1
     if routed:

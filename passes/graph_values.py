@@ -6,7 +6,7 @@ import operator
 from typing import Any
 
 import torch
-from torch.fx import Node
+from torch.fx import Graph, Node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)
@@ -66,6 +66,17 @@ def meta_for_replacement(node: Node) -> dict:
     not `eager_input_vals`, the replaced op's inputs, which Inductor would read as the new
     op's (against the new op's schema)."""
     return {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
+
+
+def replace_with_call(graph: Graph, node: Node, target, args: tuple) -> Node:
+    """Put `target(*args)` where `node` is: inserted before it with its meta
+    (`meta_for_replacement`), given its users, and `node` erased. Returns the new call."""
+    with graph.inserting_before(node):
+        call = graph.call_function(target, args)
+    call.meta.update(meta_for_replacement(node))
+    node.replace_all_uses_with(call)
+    graph.erase_node(node)
+    return call
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, meta_for_replacement
+from .graph_values import example_value, replace_with_call
 from .matvec_reduction import HALF_DTYPES
 _aten = torch.ops.aten
 _TRANSPOSES = (_aten.permute.default, _aten.t.default)
@@ -58,11 +58,7 @@ def rewrite_skinny_linears(gm: GraphModule, target, max_features: int) -> int:
         if match is None or not _fits(match, max_features):
             continue
         transpose = node.args[-1]
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(target, (match.x, match.weight, match.bias))
-        call.meta.update(meta_for_replacement(node))
-        node.replace_all_uses_with(call)
-        gm.graph.erase_node(node)
+        replace_with_call(gm.graph, node, target, (match.x, match.weight, match.bias))
         if not transpose.users:
             gm.graph.erase_node(transpose)
         count += 1
