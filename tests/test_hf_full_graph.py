@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cgcompile
-from cgcompile import passes
+from cgcompile.kernels.decode_attention import grouped_attention_with_kernel
 from cgcompile.testing.hf_models import FIXED_NEW_TOKENS, fixed_length_generate, tiny_llama
 
 
@@ -64,8 +64,10 @@ def test_static_cache_decodes_from_compiled_full_graphs(whole, small_query, comp
     # the same size and symbol values, so it reuses that compile.
     assert backend.stats.full_graph_compilations == 1
     if small_query and whole:  # each layer's attention, folded by grouped_query, then lowered
+        # to the decode attention kernel's form (Config.decode_attention_kernel), which runs
+        # the matmuls on the CPU
         lowered = [n for n in backend.runtimes[-1].full.code.gm.graph.nodes
-                   if n.target is passes.small_query.grouped_small_query_attention]
+                   if n.target is grouped_attention_with_kernel]
         assert len(lowered) == model.config.num_hidden_layers
 
 
