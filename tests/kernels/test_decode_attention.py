@@ -140,3 +140,30 @@ def test_a_full_graph_decoder_at_batch_sizes_in_turn_equals_eager(kernel, monkey
         torch.testing.assert_close(compiled(*c).float(), e, rtol=3e-2, atol=3e-2, msg=lambda m: f"step {i}: {m}")
     assert backend.stats.full_graph_calls >= 4
     assert bool(calls) is kernel  # captured once per layer; replays call no Python
+
+
+def _traced_targets(monkeypatch, dtype=BF16, length=40):
+    """The ops of `attention_with_kernel` traced on fake CUDA tensors, as AOT traces a full
+    graph for the GPU (Triton taken as present: CI has none)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(op, "triton_available", lambda: True)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, heads, rows, 16, dtype=dtype, device="cuda")
+                   for heads, rows in ((8, 1), (2, length), (2, length)))
+        mask = torch.empty(1, 1, 1, length, dtype=torch.bool, device="cuda")
+        gm = make_fx(lambda q, k, v, m: op.attention_with_kernel(q, k, v, m))(q, k, v, mask)
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_a_traced_gpu_call_holds_the_op(monkeypatch):
+    assert _traced_targets(monkeypatch) == {torch.ops.cgcompile.decode_attention.default}
+
+
+@pytest.mark.parametrize("why", ["float32", "a long cache"])  # grad: see test_inputs_that_require_grad_...
+def test_a_traced_gpu_call_the_kernels_cannot_serve_holds_the_matmuls(monkeypatch, why):
+    targets = _traced_targets(monkeypatch, dtype=torch.float32 if why == "float32" else BF16,
+                              length=op.MAX_LENGTH + 1 if why == "a long cache" else 40)
+    assert torch.ops.cgcompile.decode_attention.default not in targets
+    assert torch.ops.aten.bmm.default in targets  # the batched matmuls
