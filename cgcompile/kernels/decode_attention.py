@@ -12,6 +12,10 @@ The op takes any operands: it runs the kernels where `kernel_problem` finds noth
 them and `small_query_attention`'s batched matmuls otherwise, so a graph that calls it is
 valid at every size. `attention_with_kernel` is what the lowering calls in the graph: the op
 where the traced operands suit the kernel, the batched matmuls where they never will.
+
+`cgcompile::grouped_decode_attention` is the same attention in `grouped_query_attention`'s
+contract (one token, the query heads of a key head as rows, the result laid out rows outer):
+the kernels write that layout directly, where the matmuls' result is copied into it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 import torch
 
 from ..passes.matvec_reduction import HALF_DTYPES
-from ..passes.small_query import grouped_layout, small_query_attention
+from ..passes.small_query import grouped_layout, grouped_small_query_attention, small_query_attention
 from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
@@ -82,9 +86,11 @@ def choose_splits(programs: int, length: int, device: torch.device) -> int:
 
 def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None, scale: float,
-                                 chunk: int | None = None) -> torch.Tensor:
+                                 chunk: int | None = None, grouped: bool = False) -> torch.Tensor:
     """The kernels on operands that `kernel_problem` accepts; `chunk` (positions a split, a
-    multiple of `BLOCK_L`) overrides the choice."""
+    multiple of `BLOCK_L`) overrides the choice. Returns [..., H, T, Dv], contiguous; with
+    `grouped` (a query of one token) [B, Hk, G, Dv] in `grouped_layout`'s layout, written
+    there by the kernels."""
     from .decode_attention_kernel import combine_splits_kernel, decode_attention_kernel
 
     lead = query.shape[:-3]
@@ -92,7 +98,12 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
     batch, heads, tokens, head_dim = q.shape
     key_heads, length, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = heads // key_heads
-    out = torch.empty(batch, heads, tokens, value_dim, dtype=q.dtype, device=q.device)
+    if grouped:
+        out = grouped_output(q, key_heads, value_dim)
+        out_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
+    else:
+        out = torch.empty(batch, heads, tokens, value_dim, dtype=q.dtype, device=q.device)
+        out_strides = (out.stride(0), group * out.stride(1), out.stride(1), out.stride(2))
     mask = None if attn_mask is None else attn_mask.expand(batch, heads, tokens, length)
     programs = batch * key_heads
     chunk = chunk or choose_splits(programs, length, q.device)
@@ -110,16 +121,23 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
         q, k, v, mask if mask is not None else q, out, *[p if p is not None else out for p in parts],
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-        key_heads, tokens, group, length, chunk, head_dim, value_dim, scale,
+        *out_strides, key_heads, tokens, group, length, chunk, head_dim, value_dim, scale,
         BLOCK_R=block_r, BLOCK_L=BLOCK_L, BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)), BLOCK_DV=block_dv,
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         SPLIT=splits > 1, PDL=pdl, **launch)
     if splits > 1:
         combine_splits_kernel[(programs, group * tokens)](
-            out, *parts, splits, key_heads, tokens, group, value_dim, BLOCK_R=block_r,
+            out, *parts, *out_strides, splits, key_heads, tokens, value_dim, BLOCK_R=block_r,
             BLOCK_S=next_power_of_2(splits), BLOCK_DV=block_dv, PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
-    return out.view(*lead, heads, tokens, value_dim)
+    return out if grouped else out.view(*lead, heads, tokens, value_dim)
+
+
+def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int) -> torch.Tensor:
+    """An empty [B, Hk, G, Dv] for a query [B, H, 1, D], laid out rows outer ([B, G, Hk, Dv] in
+    memory) as `grouped_layout` makes it: the layout every form of grouped attention returns."""
+    batch, heads = query.shape[:2]
+    return query.new_empty(batch, heads // key_heads, key_heads, value_dim).transpose(1, 2)
 
 
 @torch.library.custom_op("cgcompile::decode_attention", mutates_args=())
@@ -138,6 +156,26 @@ def _(query, key, value, attn_mask, scale):
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
+@torch.library.custom_op("cgcompile::grouped_decode_attention", mutates_args=())
+def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`grouped_small_query_attention(query, key, value, attn_mask, scale)` of a query [B, H, 1, D]:
+    [B, Hk, G, Dv] laid out rows outer. The kernels write that layout themselves, where the
+    other forms copy into it (one launch a layer)."""
+    if query.dim() != 4 or query.shape[2] != 1:
+        raise ValueError(f"grouped decode attention takes a query [B, H, 1, D], not {tuple(query.shape)}: "
+                         "call cgcompile::decode_attention for several tokens")
+    if kernel_problem(query, key, value, attn_mask) is None:
+        return decode_attention_kernel_call(query, key, value, attn_mask, scale, grouped=True)
+    out = grouped_output(query, key.shape[1], value.shape[-1])
+    return out.copy_(grouped_layout(small_query_attention(query, key, value, attn_mask, scale), key.shape[1]))
+
+
+@grouped_decode_attention.register_fake
+def _(query, key, value, attn_mask, scale):
+    return grouped_output(query, key.shape[1], value.shape[-1])
+
+
 def attention_with_kernel(query, key, value, attn_mask=None, scale=None):
     """`small_query_attention`'s contract, as the lowering puts it in a graph: the op where the
     traced operands suit the kernels, the batched matmuls (which Inductor fuses) where not."""
@@ -148,8 +186,11 @@ def attention_with_kernel(query, key, value, attn_mask=None, scale=None):
 
 
 def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None):
-    """`grouped_small_query_attention`'s contract with `attention_with_kernel` inside."""
-    return grouped_layout(attention_with_kernel(query, key, value, attn_mask, scale), key.shape[1])
+    """`grouped_small_query_attention`'s contract, as `attention_with_kernel` chooses."""
+    if kernel_problem(query, key, value, attn_mask) is not None:
+        return grouped_small_query_attention(query, key, value, attn_mask, scale)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.cgcompile.grouped_decode_attention(query, key, value, attn_mask, scale)
 
 
 @functools.cache

@@ -14,6 +14,9 @@ the program is never read (a static cache's positions past the current length co
 mask's bytes only, and a block of them is skipped whole), so whatever lies there, NaN
 included, cannot reach the output.
 
+The output's strides are arguments, as two per query head (its key head and its place in
+the group): `grouped_decode_attention`'s layout, rows outer, is no strided [B, H, T, DV].
+
 Precision: the scores are float32 products of the half-precision inputs, as SDPA's fused
 kernels compute them; the probabilities are rounded to the values' dtype before the second
 product, as flash attention does. A row that every position masks out gets zeros.
@@ -29,13 +32,14 @@ import triton.language as tl
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr,  # mask: any pointer when not HAS_MASK
-    out_ptr,  # [B, H, T, DV], contiguous; written when not SPLIT
+    out_ptr,  # [B, H, T, DV] at the strides below; written when not SPLIT
     part_out_ptr,  # [B * Hk, splits, BLOCK_R, BLOCK_DV] float32; written when SPLIT
     part_max_ptr, part_sum_ptr,  # [B * Hk, splits, BLOCK_R] float32 each; written when SPLIT
     sq_b, sq_h, sq_t,  # strides of q [B, H, T, D] (unit along D)
     sk_b, sk_h, sk_l,  # of k [B, Hk, L, D]
     sv_b, sv_h, sv_l,  # of v [B, Hk, L, DV]
     sm_b, sm_h, sm_t, sm_l,  # of the mask broadcast to [B, H, T, L] (0 where broadcast)
+    so_b, so_hk, so_g, so_t,  # of out, for query head hk * group + g (see above)
     key_heads, tokens, group, length, chunk, head_dim, value_dim,
     scale,
     BLOCK_R: tl.constexpr,  # >= group * tokens, >= 16 (tl.dot)
@@ -103,14 +107,17 @@ def decode_attention_kernel(
         tl.store(part_sum_ptr + part * BLOCK_R + rows, row_sum)
     else:
         out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-        _store_rows(out_ptr, out, b, head, token, rows, dv, row_ok, key_heads, group, tokens, value_dim)
+        offsets = b * so_b + hk * so_hk + (rows // tokens) * so_g + token * so_t
+        tl.store(out_ptr + offsets[:, None] + dv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (dv < value_dim)[None, :])
 
 
 @triton.jit
 def combine_splits_kernel(
-    out_ptr,  # [B, H, T, DV], contiguous
+    out_ptr,  # [B, H, T, DV] at the strides below
     part_out_ptr, part_max_ptr, part_sum_ptr,  # as decode_attention_kernel writes them
-    splits, key_heads, tokens, group, value_dim,
+    so_b, so_hk, so_g, so_t,  # decode_attention_kernel's
+    splits, key_heads, tokens, value_dim,
     BLOCK_R: tl.constexpr,  # decode_attention_kernel's, the partial buffers' row stride
     BLOCK_S: tl.constexpr,  # >= splits
     BLOCK_DV: tl.constexpr,
@@ -134,15 +141,5 @@ def combine_splits_kernel(
     weight = tl.exp(maxes - tl.where(overall == float("-inf"), 0.0, overall))  # 0 for a split that saw nothing
     total = tl.sum(weight * sums, axis=0)
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total > 0, total, 1.0)  # [BLOCK_DV]
-    b = pid // key_heads
-    head = pid % key_heads * group + row // tokens
-    offsets = ((b * key_heads * group + head) * tokens + row % tokens) * value_dim + dv
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=dv < value_dim)
-
-
-@triton.jit
-def _store_rows(out_ptr, out, b, head, token, rows, dv, row_ok, key_heads, group, tokens, value_dim):
-    """out [BLOCK_R, BLOCK_DV] into [B, H, T, DV] (contiguous) at its rows' heads and tokens."""
-    heads = key_heads * group
-    offsets = ((b * heads + head[:, None]) * tokens + token[:, None]) * value_dim + dv[None, :]
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv < value_dim)[None, :])
+    offset = pid // key_heads * so_b + pid % key_heads * so_hk + row // tokens * so_g + row % tokens * so_t
+    tl.store(out_ptr + offset + dv, out.to(out_ptr.dtype.element_ty), mask=dv < value_dim)

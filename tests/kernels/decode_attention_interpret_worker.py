@@ -2,7 +2,7 @@
 tests/kernels/test_decode_attention.py with TRITON_INTERPRET=1): every path of the kernels
 (one split and several, bool and additive masks and none, blocks every row masks out, rows
 every position masks out, grouped heads, several tokens, head dims that are not powers of
-two, strided queries, NaN where no row looks) against float64 SDPA over repeated keys and values. In float16 only:
+two, strided queries, NaN where no row looks, the grouped layout) against float64 SDPA over repeated keys and values. In float16 only:
 the interpreter's tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9), so
 bfloat16 is checked on the GPU (test_decode_attention.py)."""
 
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cgcompile.kernels.decode_attention import BLOCK_L, decode_attention_kernel_call
+from cgcompile.passes.small_query import grouped_layout
 
 
 def reference(q, k, v, mask, scale):
@@ -26,7 +27,8 @@ def reference(q, k, v, mask, scale):
     return out
 
 
-def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_dim, mask_kind, chunk, strided_query):
+def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_dim, mask_kind, chunk, strided_query,
+         grouped=False):
     heads = key_heads * group
     if strided_query:  # [B, T, H, D] transposed, as a model's projection makes it
         q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
@@ -49,7 +51,11 @@ def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_di
         k, v = k.clone(), v.clone()
         k[:, :, max(1, length // 3):] = float("nan")
         v[:, :, max(1, length // 3):] = float("nan")
-    got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk)
+    got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk, grouped)
+    if grouped:  # [B, Hk, G, Dv], rows outer: the layout grouped_layout makes of want
+        expected_strides = grouped_layout(want, key_heads).stride()
+        assert got.stride() == expected_strides, (got.stride(), expected_strides)
+        got = got.reshape(batch, heads, 1, value_dim)
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
     torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2)
 
@@ -58,12 +64,14 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     gen = torch.Generator().manual_seed(0)
     cases = [
-        # dtype, batch, key heads, group, tokens, length, head dim, value dim, mask, chunk, strided query
+        # dtype, batch, key heads, group, tokens, length, head dim, value dim, mask, chunk, strided query[, grouped]
         (torch.float16, 1, 2, 2, 1, 200, 32, 32, "bool", None, True),  # several splits, the last partial
         (torch.float16, 2, 1, 4, 1, 70, 16, 16, None, None, False),
         (torch.float16, 2, 2, 1, 3, 130, 24, 40, "float", BLOCK_L, False),  # dims not powers of two
         (torch.float16, 1, 1, 8, 2, 50, 16, 16, "bool", 4 * BLOCK_L, True),  # one split: no combine
         (torch.float16, 1, 2, 2, 1, 300, 16, 16, "bool", BLOCK_L, False),  # splits every row masks out
+        (torch.float16, 2, 2, 4, 1, 150, 32, 32, "bool", None, True, True),  # grouped layout, several splits
+        (torch.float16, 2, 3, 2, 1, 40, 16, 24, "float", None, False, True),  # grouped layout, one split
     ]
     for args in cases:
         case(gen, *args)

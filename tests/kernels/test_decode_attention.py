@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import cgcompile
 from cgcompile.build.compiler import lower_attention
 from cgcompile.kernels import decode_attention as op
-from cgcompile.passes.small_query import small_query_attention
+from cgcompile.passes.small_query import grouped_small_query_attention, small_query_attention
 from cgcompile.testing.models import StaticCacheDecoder
 
 BF16 = torch.bfloat16
@@ -53,6 +53,22 @@ def test_the_op_equals_the_matmuls_where_it_falls_back():
     mask[..., 0] = True
     torch.testing.assert_close(torch.ops.cgcompile.decode_attention(q, k, v, mask, 0.25),
                                small_query_attention(q, k, v, mask, 0.25))
+
+
+def test_the_grouped_op_falls_back_to_the_grouped_layout():
+    q, k, v = _operands(batch=2, length=33)
+    mask = torch.rand(2, 1, 1, 33) < 0.6
+    mask[..., 0] = True
+    got = torch.ops.cgcompile.grouped_decode_attention(q, k, v, mask, 0.25)
+    want = grouped_small_query_attention(q, k, v, mask, 0.25)
+    assert got.shape == (2, 2, 4, 16) and got.stride() == want.stride() == (128, 16, 32, 1)  # rows outer
+    torch.testing.assert_close(got, want)
+
+
+def test_the_grouped_op_takes_one_token():
+    q, k, v = _operands(tokens=2)
+    with pytest.raises(ValueError, match=r"takes a query \[B, H, 1, D\], not \(1, 8, 2, 16\)"):
+        torch.ops.cgcompile.grouped_decode_attention(q, k, v, None, 0.25)
 
 
 def test_the_lowering_keeps_the_matmuls_on_the_cpu():
@@ -109,6 +125,19 @@ def test_the_kernels_equal_sdpa_on_the_gpu(batch, heads, key_heads, tokens, leng
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("chunk", [None, 512])  # the chosen splits, and one split
+def test_the_grouped_layout_on_the_gpu(chunk):
+    torch.manual_seed(0)
+    q, k, v = _operands("cuda", BF16, 2, 32, 8, 1, 300, 128)
+    mask = torch.zeros(2, 1, 1, 300, dtype=torch.bool, device="cuda")
+    mask[..., :200] = True
+    got = op.decode_attention_kernel_call(q, k, v, mask, 0.1, chunk, grouped=True)
+    want = grouped_small_query_attention(q, k, v, mask, 0.1)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    torch.testing.assert_close(got.double(), _reference(q, k, v, mask, 0.1).view(2, 8, 4, 128), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
 def test_an_additive_mask_and_one_split_on_the_gpu():
     torch.manual_seed(0)
     q, k, v = _operands("cuda", BF16, 2, 16, 4, 1, 200, 128)
@@ -142,9 +171,9 @@ def test_a_full_graph_decoder_at_batch_sizes_in_turn_equals_eager(kernel, monkey
     assert bool(calls) is kernel  # captured once per layer; replays call no Python
 
 
-def _traced_targets(monkeypatch, dtype=BF16, length=40):
-    """The ops of `attention_with_kernel` traced on fake CUDA tensors, as AOT traces a full
-    graph for the GPU (Triton taken as present: CI has none)."""
+def _traced_targets(monkeypatch, dtype=BF16, length=40, attention=op.attention_with_kernel):
+    """The ops of `attention` traced on fake CUDA tensors, as AOT traces a full graph for the
+    GPU (Triton taken as present: CI has none)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -153,12 +182,17 @@ def _traced_targets(monkeypatch, dtype=BF16, length=40):
         q, k, v = (torch.empty(1, heads, rows, 16, dtype=dtype, device="cuda")
                    for heads, rows in ((8, 1), (2, length), (2, length)))
         mask = torch.empty(1, 1, 1, length, dtype=torch.bool, device="cuda")
-        gm = make_fx(lambda q, k, v, m: op.attention_with_kernel(q, k, v, m))(q, k, v, mask)
+        gm = make_fx(lambda q, k, v, m: attention(q, k, v, m))(q, k, v, mask)
     return {n.target for n in gm.graph.nodes if n.op == "call_function"}
 
 
 def test_a_traced_gpu_call_holds_the_op(monkeypatch):
     assert _traced_targets(monkeypatch) == {torch.ops.cgcompile.decode_attention.default}
+
+
+def test_a_traced_grouped_gpu_call_holds_the_grouped_op_and_no_copy(monkeypatch):
+    targets = _traced_targets(monkeypatch, attention=op.grouped_attention_with_kernel)
+    assert targets == {torch.ops.cgcompile.grouped_decode_attention.default}
 
 
 @pytest.mark.parametrize("why", ["float32", "a long cache"])  # grad: see test_inputs_that_require_grad_...
