@@ -29,6 +29,7 @@ Random weights, no download:
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import os
 import statistics
@@ -203,6 +204,9 @@ def parse_args(argv=None):
                    help="Config(decode_attention_kernel=False): the full graph's decode attention as batched matmuls")
     p.add_argument("--coordinate-descent", action="store_true",
                    help='Config(inductor_options={"coordinate_descent_tuning": True}): Inductor tunes every kernel')
+    p.add_argument("--inductor-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="Config(inductor_options=...): an Inductor config option for every compile, the value "
+                        "read as a Python literal (e.g. combo_kernels=True); may repeat")
     p.add_argument("--profile-generate", action="store_true",
                    help="a cProfile of one generate() run per batch: where its host time goes")
     p.add_argument("--kernels", action="store_true",
@@ -210,7 +214,20 @@ def parse_args(argv=None):
                         "(the chrome traces go to $OUT, default /tmp)")
     args = p.parse_args(argv)
     args.batches = tuple(int(b) for b in args.batches.split(","))
+    args.inductor_options = dict(_option(text) for text in args.inductor_option)
+    if args.coordinate_descent:
+        args.inductor_options["coordinate_descent_tuning"] = True
     return args
+
+
+def _option(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--inductor-option {text!r}: write NAME=VALUE, e.g. combo_kernels=True")
+    try:
+        return name.strip(), ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        raise SystemExit(f"--inductor-option {text!r}: the value must be a Python literal (True, 3, 'max-autotune')")
 
 
 def main(argv=None) -> int:
@@ -226,7 +243,7 @@ def main(argv=None) -> int:
     config = cgcompile.Config(fuse_sibling_linears=args.fuse_sibling_linears, matvec_as_reduction=args.matvec_reduction,
                               skinny_linears=not args.no_skinny,
                               decode_attention_kernel=not args.no_decode_attention_kernel,
-                              inductor_options={"coordinate_descent_tuning": True} if args.coordinate_descent else {})
+                              inductor_options=args.inductor_options)
     if device.type != "cuda":
         config = dataclasses.replace(config, compiler="eager")
     loop = PlainLoop(model, cgcompile.Backend(config), args.batches, device, args.steps)
@@ -258,7 +275,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"environment": environment(device), "model": args.model, "family": args.family,
                                "model_info": describe(model), "layers": cfg.layers,
-                               "cases": cases, "generate": generates})
+                               "inductor_options": args.inductor_options, "cases": cases, "generate": generates})
     return 0
 
 
