@@ -76,14 +76,14 @@ class Backend:
         self.runtimes: list[GraphRuntime] = []
         self._compiler = PieceCompiler(
             self.config.compile.compiler, self.config.compile.compile_sizes,
-            dict(self.config.compile.inductor_options), dict(self.config.compile.size_inductor_options),
+            self.config.compile.inductor_patches(), dict(self.config.compile.size_inductor_options),
             all_reduce=self.config.rewrites.all_reduce, matvec_as_reduction=self.config.compile.matvec_as_reduction,
             fuse_all_reduce_norm=self.config.rewrites.fuse_all_reduce_norm,
             skinny_linears=self.config.compile.skinny_linears,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.
-        self._eager_compiles = EagerPieceCompiles(dict(self.config.compile.inductor_options),
+        self._eager_compiles = EagerPieceCompiles(self.config.compile.inductor_patches(),
                                                   self.config.split.cudnn_attention,
                                                   self.config.compile.decode_attention_kernel)
         self.memory_plan: MemoryPlan | None = None  # set by a capture under a memory budget

@@ -409,6 +409,18 @@ class Compile(_Group):
         (), _inductor_options, normalise=_as_option_pairs, doc="""
         Patches for the `compile_sizes` compiles only, on top of `inductor_options`: where
         autotuning pays, since every shape there is fixed. Needs `compile_sizes`.""")
+    combo_kernels: bool = option(True, _bool, doc="""
+        Inductor's combo kernels (its `combo_kernels` option) in every compile: kernels of one
+        compile that do not depend on each other run as one launch, e.g. a decoder layer's
+        rotary embeddings of the queries and of the keys, or its two cache writes. A decode step
+        is mostly such kernels of about a microsecond each; on an H200 a transformers Llama
+        step took 6% less time at 1.1B and 3% less at 8B (batch 1, `benchmarks/hf_probe.py`,
+        benchmarks/RESULTS.md). An explicit `inductor_options={"combo_kernels": ...}` wins.""")
+
+    def inductor_patches(self) -> dict[str, Any]:
+        """The Inductor config patches of every compile: `inductor_options` over what the
+        group's own options ask of Inductor."""
+        return {"combo_kernels": self.combo_kernels, **dict(self.inductor_options)}
 
 
 @_group

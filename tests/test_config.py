@@ -245,6 +245,16 @@ def test_compile_options_beside_a_compile_they_patch_are_kept(fields):
     assert dict(config.compile.size_inductor_options) == fields.get("size_inductor_options", {})
 
 
+@pytest.mark.parametrize("fields, patches", [
+    ({}, {"combo_kernels": True}),
+    ({"combo_kernels": False}, {"combo_kernels": False}),
+    ({"inductor_options": TUNING}, {"combo_kernels": True, **TUNING}),
+    ({"inductor_options": {"combo_kernels": False}}, {"combo_kernels": False}),  # the explicit option wins
+])
+def test_every_compile_is_patched_with_combo_kernels_unless_asked_otherwise(fields, patches):
+    assert Config(**fields).compile.inductor_patches() == patches
+
+
 def test_full_graph_options_at_their_defaults_need_no_capturable_ops():
     assert Config(full_graph_compile=False, small_query_attention=False, capturable_split_ops=()).full_graph is None
     assert Config(full_graph=None) == Config(capturable_split_ops=()) != Config()

@@ -445,7 +445,7 @@ def _make_full_graph(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGr
     dim = build.analysis.capture_dim
     n_at = None if dim is None else (build.analysis.capture_index, dim.dim)  # where a call's n is read
     pieces = plain_function(split.stitch, runners.runners, n_at, config.split.cudnn_attention, eager)
-    code = FullGraphCode(name, pieces, gm if whole else None, dict(config.compile.inductor_options),
+    code = FullGraphCode(name, pieces, gm if whole else None, config.compile.inductor_patches(),
                          config.split.cudnn_attention, options.small_query_attention,
                          config.compile.decode_attention_kernel)
     return FullGraph(name, plan, code, session, copies, cudagraphs=build.analysis.cudagraphs, scalars=scalars)
