@@ -29,11 +29,9 @@ from ..passes.small_query import grouped_layout, grouped_small_query_attention, 
 from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
-# Cache positions. Whole models were measured at caches of up to 512 positions (faster than
-# with the matmuls); at 1,024 the first combine, which walked the splits one after another,
-# lost. The current combine was faster per layer up to 4,096 (benchmarks/RESULTS.md), but the
-# limit stays until whole models confirm it.
-MAX_LENGTH = 512
+# Cache positions: the longest measured (benchmarks/decode_attention_bench.py, RESULTS.md),
+# where the kernels were level with the matmuls or ahead at every shape.
+MAX_LENGTH = 4096
 MAX_HEAD_DIM = 256
 BLOCK_L = 64  # positions a program attends per step of its loop
 MIN_DOT = 16  # tl.dot's smallest block
@@ -77,11 +75,13 @@ def kernel_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def choose_splits(programs: int, length: int, device: torch.device) -> int:
-    """Positions per split: enough splits that (batch x key heads x splits) programs fill the
-    GPU twice over, each split at least one `BLOCK_L` block."""
-    wanted = max(1, cdiv(2 * _multiprocessors(device), programs))
-    splits = max(1, min(cdiv(length, BLOCK_L), wanted))
-    return cdiv(cdiv(length, splits), BLOCK_L) * BLOCK_L
+    """Positions per split: `BLOCK_L` (one block a program, the most splits), unless that
+    makes more than 8 programs per multiprocessor; then as few blocks more a split as bring
+    it under. On an H200 that was the best split length measured or within 5% of it, at
+    every shape measured (benchmarks/decode_attention_bench.py)."""
+    blocks = cdiv(length, BLOCK_L)
+    per_split = max(1, cdiv(programs * blocks, 8 * _multiprocessors(device)))
+    return min(blocks, per_split) * BLOCK_L
 
 
 def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -32,7 +32,7 @@ def _operands(device="cpu", dtype=BF16, batch=1, heads=8, key_heads=2, tokens=1,
     (lambda q, k, v, m: (q.repeat(1, 9, 8, 1), k, v, m), "288 query rows a key head; the kernels take up to 64"),
     (lambda q, k, v, m: (q[..., :12], k, v, m), "the kernels take [B, H, T, D]"),
     (lambda q, k, v, m: (q, k, v, m.float()[None]), "a mask of torch.float32 and 5 dims"),
-    (lambda q, k, v, m: (q, k.repeat(1, 1, 20, 1), v.repeat(1, 1, 20, 1), None), "a cache of 800 positions"),
+    (lambda q, k, v, m: (q, k.repeat(1, 1, 110, 1), v.repeat(1, 1, 110, 1), None), "a cache of 4400 positions"),
 ])
 def test_the_checks_say_why_the_matmuls_run(change, why):
     q, k, v = _operands()
@@ -84,12 +84,12 @@ def test_the_lowering_keeps_the_matmuls_on_the_cpu():
     torch.testing.assert_close(gm(q, k, v, mask)[0], attend(q, k, v, mask), rtol=2e-2, atol=2e-2)
 
 
-def test_splits_fill_the_gpu_and_cover_the_cache():
-    device = torch.device("cpu")  # the interpreter's 8 multiprocessors: 16 programs wanted
-    assert op.choose_splits(programs=1, length=512, device=device) == op.BLOCK_L  # 8 splits of 64
-    assert op.choose_splits(programs=2, length=100, device=device) == op.BLOCK_L  # 2 splits of 64
-    assert op.choose_splits(programs=4, length=512, device=device) == 2 * op.BLOCK_L  # 4 splits of 128
-    assert op.choose_splits(programs=64, length=512, device=device) == 512  # enough programs: one split
+def test_splits_are_one_block_unless_programs_would_crowd_the_gpu():
+    device = torch.device("cpu")  # the interpreter's 8 multiprocessors: up to 64 programs
+    assert op.choose_splits(programs=1, length=4096, device=device) == op.BLOCK_L  # 64 programs
+    assert op.choose_splits(programs=2, length=4096, device=device) == 2 * op.BLOCK_L  # 128 blocks: 2 a split
+    assert op.choose_splits(programs=32, length=100, device=device) == op.BLOCK_L  # 2 blocks: 64 programs
+    assert op.choose_splits(programs=64, length=100, device=device) == 2 * op.BLOCK_L  # the whole cache
 
 
 def _reference(q, k, v, mask, scale):
@@ -101,7 +101,7 @@ def _reference(q, k, v, mask, scale):
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch, heads, key_heads, tokens, length, head_dim", [
     (1, 32, 8, 1, 256, 128),  # an 8B layer, decode
-    (1, 16, 8, 1, 512, 64),  # the longest cache the op gives the kernels
+    (1, 16, 8, 1, 4096, 64),  # the longest cache the op gives the kernels
     (8, 8, 2, 1, 300, 128),  # a TP=4 rank at batch 8
     (2, 12, 12, 4, 77, 64),  # no grouping, a few tokens
 ])
