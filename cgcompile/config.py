@@ -402,7 +402,7 @@ class Compile(_Group):
         launches a layer, the cache read once per key head, blocks the mask hides from every row
         skipped) instead of the batched matmuls, softmax and layout copies. Scores are float32
         as in SDPA's fused kernels. Calls it cannot serve (float32, inputs that require grad,
-        more than 64 query rows a key head, caches of more than 512 positions, where the matmuls
+        more than 64 query rows a key head, caches of more than 4096 positions, where the matmuls
         were faster) keep the matmuls. See
         `cgcompile.kernels.decode_attention`.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
