@@ -369,7 +369,7 @@ class Compile(_Group):
         {"coordinate_descent_tuning": True}); stored as sorted (key, value) pairs. Autotuning
         options lengthen the warm-up: coordinate_descent_tuning benchmarks the tile sizes of every
         kernel, max_autotune_gemm the GEMM templates of every distinct shape. None are set by
-        default. Needs an Inductor compile: compiler="inductor", or a full graph that compiles.""")
+        default; `combo_kernels` comes from the option of that name, and a value here wins. Needs an Inductor compile: compiler="inductor", or a full graph that compiles.""")
     matvec_as_reduction: bool = option(False, _bool, doc="""
         Every bf16/fp16 linear whose input has exactly one row at static shapes is compiled as a
         multiply and a sum over the input features (one Inductor reduction, float32
@@ -402,8 +402,8 @@ class Compile(_Group):
         launches a layer, the cache read once per key head, blocks the mask hides from every row
         skipped) instead of the batched matmuls, softmax and layout copies. Scores are float32
         as in SDPA's fused kernels. Calls it cannot serve (float32, inputs that require grad,
-        more than 64 query rows a key head, caches of more than 4096 positions, where the matmuls
-        were faster) keep the matmuls. See
+        more than 64 query rows a key head, caches of more than 4096 positions, the longest
+        measured) keep the matmuls. See
         `cgcompile.kernels.decode_attention`.""")
     size_inductor_options: tuple[tuple[str, Any], ...] = option(
         (), _inductor_options, normalise=_as_option_pairs, doc="""
