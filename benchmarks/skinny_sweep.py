@@ -37,6 +37,7 @@ SHAPES = {
     "8b-tp2": [(3072, 4096), (4096, 2048), (14336, 4096), (4096, 7168)],
     "8b-tp4": [(1536, 4096), (4096, 1024), (7168, 4096), (4096, 3584)],
     "70b-tp4": [(2560, 8192), (8192, 2048), (14336, 8192), (8192, 7168)],
+    "1b-probe": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],  # hf_probe's 1b Llama, fused
     "heads": [(128256, 4096), (64128, 4096)],
 }
 # ((out_features of each sibling), in_features): q/k/v, then gate/up, of one layer
@@ -50,7 +51,13 @@ GROUPS = {
 L2_BYTES = 64 * 2**20
 
 
-def candidates(quick: bool) -> list[Launch]:
+def candidates(quick: bool, wide: bool = False) -> list[Launch]:
+    """The launches tried per shape. `wide`: tall blocks over short steps along K (8 to 64
+    features a program, 64 to 512 inputs a step, up to 16K elements a tile), so that a
+    program keeps several steps of loads in flight even where K is short."""
+    if wide:
+        return [Launch(bn, bk, w, s) for bn, bk, w, s in itertools.product(
+            (8, 16, 32, 64), (64, 128, 256, 512), (4, 8), (3, 5)) if 1024 <= bn * bk <= 16384]
     return [Launch(bn, bk, w, s) for bn, bk, w, s in itertools.product(
         (1, 2, 4, 8) if not quick else (2, 4), (256, 512, 1024), (4, 8), (1, 3))]
 
@@ -127,6 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--rows", default="1", help="the kernel takes one; more for cuBLAS only")
     p.add_argument("--quick", action="store_true", help="a few launches only")
+    p.add_argument("--wide", action="store_true", help="tall blocks over short steps along K instead")
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--groups", default=None, help=f"time sibling linears instead, of: {','.join(GROUPS)}")
@@ -142,7 +150,7 @@ def main(argv=None) -> int:
         return 1 if wrong else 0
     peak = measure_peak_bandwidth(device)
     log(f"copy bandwidth {peak:.0f} GB/s")
-    launches = candidates(args.quick)
+    launches = candidates(args.quick, args.wide)
     shapes = sorted({s for name in args.shapes.split(",") for s in SHAPES[name]})
     rows_out = []
     print(f"{'n':>7} {'k':>6} {'m':>2} {'cublas':>7} {'chosen':>7} {'best':>7}  best launch", flush=True)

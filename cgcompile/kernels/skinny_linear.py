@@ -1,13 +1,13 @@
 """`cgcompile::skinny_linear`: `F.linear` of one row (a batch-1 decode step), at the weight's read speed.
 
 At one row a linear reads its whole weight to make one output per feature, so its time is
-the weight's bytes over the share of the memory bandwidth its kernel reaches. For weights of
-up to 4096 output features `skinny_linear_kernel` was 1.06x to 1.9x faster than cuBLAS's
-kernels at every shape measured on an H200 (`benchmarks/skinny_sweep.py`: every launch
-configuration per shape, against cuBLAS; the table is in benchmarks/RESULTS.md).
-Beyond 4096 features cuBLAS is level or ahead, and at 4 or 8 rows its tensor-core kernels
-beat this kernel's best form (which multiplied the rows on the tensor cores): so the op
-takes one row and at most `MAX_FEATURES` output features (`kernel_problem`).
+the weight's bytes over the share of the memory bandwidth its kernel reaches. With the
+launch `choose_launch` picks, `skinny_linear_kernel` was faster than cuBLAS's kernels at
+every decoder shape measured on an H200, from 256 to 28672 output features
+(`benchmarks/skinny_sweep.py`: every launch configuration per shape, against cuBLAS; the
+tables are in benchmarks/RESULTS.md). At 4 or 8 rows cuBLAS's tensor-core kernels beat
+this kernel's best form (which multiplied the rows on the tensor cores): so the op takes
+one row, and at most `MAX_FEATURES` output features (`kernel_problem`).
 
 The op takes any operands: it runs the kernel where `kernel_problem` finds nothing against
 it and `F.linear` otherwise, so a graph that calls it is valid at every size.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..passes.matvec_reduction import HALF_DTYPES
 
-MAX_FEATURES = 4096  # output features; beyond, cuBLAS read as fast (benchmarks/skinny_sweep.py)
+MAX_FEATURES = 131072  # output features: vocabulary heads of up to 128256 included (benchmarks/skinny_sweep.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +38,28 @@ class Launch:
 
 
 def choose_launch(n: int, k: int) -> Launch:
-    """The launch for a [k] x [n, k]^T product. On an H200 (`benchmarks/skinny_sweep.py`), n / 512
-    features a program (a power of 2, 1 to 8) in steps of 1024 along K came within 6% of
-    the best of 48 launches at every shape measured up to 4096 features."""
-    block_n = 1
-    while block_n < 8 and block_n * 2 * 512 <= n:
-        block_n *= 2
-    return Launch(block_n=block_n, block_k=min(1024, next_power_of_2(k)))
+    """The launch for a [k] x [n, k]^T product, from `benchmarks/skinny_sweep.py` on an H200.
+
+    Under 4096 features: n / 512 features a program (a power of 2, 1 to 8) in steps of 1024
+    along K came within 6% of the best of 48 launches at every shape measured. From 4096 up,
+    taller blocks over shorter steps (`--wide`) read faster: a program then keeps several
+    steps' loads in flight even where K is short, and the grid stays a few hundred to a few
+    thousand programs. Each band's launch came within 4% of the best of 56 launches at every
+    shape measured in it (4096 to 28672 features, K of 1024 to 14336), and read faster than
+    cuBLAS at all of them (1.02x to 1.45x).
+    """
+    if n >= 12288:
+        launch = Launch(block_n=32, block_k=256, num_warps=4)
+    elif n >= 6144:
+        launch = Launch(block_n=16, block_k=512, num_warps=4)
+    elif n >= 4096:
+        launch = Launch(block_n=8, block_k=512, num_warps=8)
+    else:
+        block_n = 1
+        while block_n < 8 and block_n * 2 * 512 <= n:
+            block_n *= 2
+        launch = Launch(block_n=block_n, block_k=1024)
+    return dataclasses.replace(launch, block_k=min(launch.block_k, next_power_of_2(k)))
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:

@@ -15,8 +15,9 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
+        # tall blocks (choose_launch's from 4096 features) with a cut last block, even and uneven K
         for n, k, launch in ((40, 64, Launch(4, 32)), (33, 96, Launch(8, 64)), (5, 48, Launch(1, 64)),
-                             (20, 128, None)):
+                             (20, 128, None), (50, 96, Launch(32, 32)), (70, 100, Launch(16, 32, num_warps=8))):
             x = torch.randn(1, k, dtype=dtype)
             w = torch.randn(n, k, dtype=dtype)
             b = torch.randn(n, dtype=dtype)
@@ -25,7 +26,6 @@ def main() -> None:
                 got = skinny_linear_kernel_call(x, w, bias, launch)
                 assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
                 torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
-    assert choose_launch(4096, 14336) == Launch(8, 1024) and choose_launch(256, 100) == Launch(1, 128)
     print("skinny_linear interpreted: ok")
 
 

@@ -139,6 +139,17 @@ def test_the_config_turns_the_rewrite_on_by_default():
     assert not cgcompile.Config(skinny_linears=False).compile.skinny_linears
 
 
+def test_the_launch_grows_taller_and_steps_shorter_from_4096_features():
+    from cgcompile.kernels.skinny_linear import Launch, choose_launch
+
+    assert choose_launch(2048, 2048) == Launch(block_n=4, block_k=1024)
+    assert choose_launch(256, 100) == Launch(block_n=1, block_k=128)
+    assert choose_launch(4096, 14336) == Launch(block_n=8, block_k=512, num_warps=8)
+    assert choose_launch(6144, 4096) == Launch(block_n=16, block_k=512, num_warps=4)
+    assert choose_launch(16384, 2048) == Launch(block_n=32, block_k=256, num_warps=4)
+    assert choose_launch(16384, 100) == Launch(block_n=32, block_k=128, num_warps=4)  # no step past K
+
+
 def test_the_kernel_under_the_triton_interpreter(run_interpreted):
     assert "skinny_linear interpreted: ok" in run_interpreted("skinny_linear_interpret_worker.py")
 
@@ -150,7 +161,8 @@ def test_the_kernel_under_the_triton_interpreter(run_interpreted):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_against_a_float32_product(dtype):
     torch.manual_seed(0)
-    for n, k in ((1, 64), (7, 100), (256, 2048), (1000, 5632), (4096, 4096), (3072, 1024)):
+    for n, k in ((1, 64), (7, 100), (256, 2048), (1000, 5632), (4096, 4096), (3072, 1024), (6200, 2048),
+                 (16384, 2048), (32000, 2048)):
         x = torch.randn(1, 1, k, dtype=dtype, device="cuda")
         w = torch.randn(n, k, dtype=dtype, device="cuda") / k ** 0.5
         b = torch.randn(n, dtype=dtype, device="cuda")
