@@ -268,7 +268,7 @@ def main(argv=None) -> int:
     for name, stats in ((name, b.stats) for name, b in backends if b is not None):
         print(f"{name}: {stats.graphs_seen} Dynamo graphs, {stats.full_graph_calls} calls as one full graph, "
               f"{stats.piecewise_calls} piecewise; {stats.matvec_reductions} one-row linears as reductions, "
-              f"{stats.skinny_linears} as skinny linears; "
+              f"{stats.skinny_linears} as skinny linears ({stats.gated_skinny_linears} with their SiLU gating); "
               f"{stats.fused_linears} linears fused, {stats.shared_fused_weights} "
               f"fused weights shared with the parameters, {stats.fused_weight_bytes / 2**20:.1f} MB of copies; "
               f"full-graph choices {stats.full_graph_choices}; piecewise because {stats.piecewise_reasons}")

@@ -115,6 +115,7 @@ class Backend:
             matvec_reductions=self._compiler.matvec_reductions,
             skinny_linears=self._compiler.skinny_linear_count,
             grouped_skinny_linears=self._compiler.grouped_skinny_linear_count,
+            gated_skinny_linears=self._compiler.gated_skinny_linear_count,
             graphs_captured=self.session.graphs_captured,
         )
         for name, value in reported.items():

@@ -54,9 +54,11 @@ class BackendStats:
     specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds
     matvec_reductions: int = 0  # one-row linears compiled as reductions, per distinct compile (Config.matvec_as_reduction)
     # One-row products handed to cgcompile::skinny_linear or cgcompile::grouped_skinny_linear by the
-    # compiles Inductor ran, and of those the ones run in groups (q/k/v, gate/up: one launch a group).
+    # compiles Inductor ran, of those the ones run in groups (q/k/v, gate/up: one launch a group), and
+    # the ones that make a gated MLP's silu(gate) * up as they read it (cgcompile::silu_mul_linear).
     skinny_linears: int = 0
     grouped_skinny_linears: int = 0
+    gated_skinny_linears: int = 0
     layout_copies: int = 0  # inputs copied into a compiled piece's traced layout (calls without graphs)
     # Calls of graphs that have a full-graph plan (Config.full_graph), by path;
     # why the piecewise ones were, per case (see `cgcompile.run.full_graph`).

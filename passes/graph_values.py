@@ -68,6 +68,18 @@ def meta_for_replacement(node: Node) -> dict:
     return {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
 
 
+def meta_with_value(node: Node, value: torch.Tensor) -> dict:
+    """`node`'s meta (`meta_for_replacement`) for a post-grad node of another value: `val`
+    and, where `node` had it, `tensor_meta` describe `value`."""
+    meta = {**meta_for_replacement(node), "val": value}
+    meta.pop("example_value", None)
+    if "tensor_meta" in meta:
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        meta["tensor_meta"] = _extract_tensor_metadata(value)
+    return meta
+
+
 def replace_with_call(graph: Graph, node: Node, target, args: tuple) -> Node:
     """Put `target(*args)` where `node` is: inserted before it with its meta
     (`meta_for_replacement`), given its users, and `node` erased. Returns the new call."""

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, meta_for_replacement
+from .graph_values import example_value, meta_with_value
 from .skinny_linear import SkinnyLinear, find_skinny_linears
 
 _aten = torch.ops.aten
@@ -171,19 +171,9 @@ def _joined_meta(group: SkinnyGroup) -> dict:
     """The first member's meta for the call, with the value of all members' outputs: [1, sum N]."""
     first = example_value(group.members[0].product)
     total = sum(example_value(m.weight).shape[0] for m in group.members)
-    return _with_value(group.members[0].product, first.new_empty((first.shape[0], total)))
+    return meta_with_value(group.members[0].product, first.new_empty((first.shape[0], total)))
 
 
 def _sliced_meta(product: Node, call: Node, start: int, end: int) -> dict:
     """`product`'s meta for the slice that replaces it, with the slice's value (its strides are the call's)."""
-    return _with_value(product, _aten.slice.Tensor(call.meta["val"], 1, start, end))
-
-
-def _with_value(node: Node, value: torch.Tensor) -> dict:
-    meta = {**meta_for_replacement(node), "val": value}
-    meta.pop("example_value", None)
-    if "tensor_meta" in meta:
-        from torch.fx.passes.shape_prop import _extract_tensor_metadata
-
-        meta["tensor_meta"] = _extract_tensor_metadata(value)
-    return meta
+    return meta_with_value(product, _aten.slice.Tensor(call.meta["val"], 1, start, end))

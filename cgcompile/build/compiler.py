@@ -265,6 +265,11 @@ class PieceCompiler:
         """Of those, the products run in groups by the grouped skinny linear op."""
         return 0 if self.post_grad_pass is None else self.post_grad_pass.grouped_linears
 
+    @property
+    def gated_skinny_linear_count(self) -> int:
+        """Of those, the products that make their gated input as they read it (cgcompile::silu_mul_linear)."""
+        return 0 if self.post_grad_pass is None else self.post_grad_pass.gated_linears
+
     def _inductor(self, compile_fn: Callable, *args) -> Callable:
         """compile_fn(*args) with the post-grad pass in Inductor's config."""
         with compiling_with(self.post_grad_pass):

@@ -8,7 +8,10 @@ graph it compiles. `PostGradPass` runs, in order:
 - products of one row handed to the skinny linear ops (`Config.skinny_linears`): those that
   read the same input, 2 to 4 at a time, to one `cgcompile::grouped_skinny_linear` each
   (`passes.skinny_groups`), the rest to `cgcompile::skinny_linear` (`passes.skinny_linear`);
-  after the all-reduce fusion, which reads the products' outputs whatever makes them.
+  then each of those single calls that reads a gated MLP's `silu(gate) * up` to
+  `cgcompile::silu_mul_linear`, which makes that product as it reads it
+  (`passes.silu_mul_linear`); after the all-reduce fusion, which reads the products'
+  outputs whatever makes them.
 
 Why it is sound with Inductor's FX graph cache: the cache keys a compile by `uuid()`, the
 hash of the sources that decide each rewrite and the all-reduce choices, so a compile made
@@ -27,9 +30,10 @@ from typing import Any, Iterator
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..kernels import grouped_skinny_linear, skinny_linear
+from ..kernels import grouped_skinny_linear, silu_mul_linear, skinny_linear
 from ..parallel.all_reduce_choice import NCCL
 from ..parallel.inductor_all_reduce import RouteCompiledAllReduces
+from ..passes import silu_mul_linear as gated_rewrite
 from ..passes import skinny_groups as group_rewrite
 from ..passes import skinny_linear as skinny_rewrite
 
@@ -41,13 +45,15 @@ POST_GRAD_PASS = "post_grad_custom_post_pass"  # the Inductor option the pass go
 class PostGradPass(CustomGraphPass):
     """The post-grad rewrites of one PieceCompiler. `rewritten_linears` counts the products
     handed to either skinny linear op by the compiles Inductor ran (a compile served from
-    Inductor's cache runs no pass), `grouped_linears` those of them run in groups."""
+    Inductor's cache runs no pass), `grouped_linears` those of them run in groups, and
+    `gated_linears` those that make their gated input as they read it."""
 
     def __init__(self, all_reduces: RouteCompiledAllReduces | None = None, skinny_linears: bool = False):
         self.all_reduces = all_reduces
         self.skinny_linears = skinny_linears
         self.rewritten_linears = 0
         self.grouped_linears = 0
+        self.gated_linears = 0
 
     def __call__(self, graph) -> None:
         # torch hands a Graph (older releases: its GraphModule); each rewrite recompiles the module.
@@ -63,7 +69,10 @@ class PostGradPass(CustomGraphPass):
                                                       skinny_linear.MAX_FEATURES, grouped_skinny_linear.MAX_MEMBERS)
         single = skinny_rewrite.rewrite_skinny_linears(gm, torch.ops.cgcompile.skinny_linear.default,
                                                        skinny_linear.MAX_FEATURES)
+        gated = gated_rewrite.rewrite_silu_mul_linears(gm, torch.ops.cgcompile.skinny_linear.default,
+                                                       torch.ops.cgcompile.silu_mul_linear.default)
         self.grouped_linears += grouped
+        self.gated_linears += gated
         self.rewritten_linears += grouped + single
 
     def uuid(self) -> Any:
@@ -108,8 +117,8 @@ def compiling_with(rewrites: PostGradPass | None) -> Iterator[None]:
 
 @functools.cache
 def _skinny_sources_hash() -> str:
-    return get_hash_for_files((skinny_rewrite.__file__, group_rewrite.__file__, skinny_linear.__file__,
-                               grouped_skinny_linear.__file__)).hex()
+    return get_hash_for_files((skinny_rewrite.__file__, group_rewrite.__file__, gated_rewrite.__file__,
+                               skinny_linear.__file__, grouped_skinny_linear.__file__, silu_mul_linear.__file__)).hex()
 
 
 @functools.cache

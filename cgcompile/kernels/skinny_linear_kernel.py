@@ -6,7 +6,9 @@ the whole of K, so each weight element is read exactly once, by one program. Pro
 added into a float32 accumulator of the tile's shape and summed over K once, after the
 loop: in float32, as cuBLAS accumulates, and rounded once. Both kernels run that loop
 through one function, `_linear_block`; the grouped kernel only picks which weight a
-program's block belongs to.
+program's block belongs to, and the SiLU-gated kernel makes each step's x from a gate and
+an up projection as it loads them (`silu(gate) * up`, each op rounded to x's dtype as
+eager rounds it), so that product is never written out.
 
 With `PDL` (programmatic dependent launch, Hopper and later; the launch sets `launch_pdl`)
 the kernel may be launched while the kernel before it still runs: it waits for that kernel (`gdc_wait`) before its first load or store, so
@@ -16,6 +18,14 @@ done (`gdc_launch_dependents`; a kernel launched that way waits in its turn).
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up as eager computes it: each op in float32, its result rounded to gate's dtype."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 @triton.jit
@@ -33,6 +43,8 @@ def _linear_block(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
     PDL: tl.constexpr,
+    up_ptr,  # [K]: where GATED, x is silu(x_ptr[k]) * up_ptr[k]; else any pointer
+    GATED: tl.constexpr,
 ):
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
@@ -43,10 +55,14 @@ def _linear_block(
         if EVEN_K:
             w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
             x = tl.load(x_ptr + k0 + offs_k)
+            if GATED:
+                x = _silu_mul(x, tl.load(up_ptr + k0 + offs_k))
         else:
             k_ok = (k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            if GATED:  # masked lanes: silu(0) * 0 = 0
+                x = _silu_mul(x, tl.load(up_ptr + k0 + offs_k, mask=k_ok, other=0.0))
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     if PDL:
@@ -75,7 +91,30 @@ def skinny_linear_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     _linear_block(x_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), N, K, stride_wn,
-                  BLOCK_N, BLOCK_K, HAS_BIAS, EVEN_K, PDL)
+                  BLOCK_N, BLOCK_K, HAS_BIAS, EVEN_K, PDL, x_ptr, False)
+
+
+@triton.jit
+def silu_mul_linear_kernel(
+    gate_ptr,  # [K]
+    up_ptr,  # [K]
+    w_ptr,  # [N, K], unit stride along K
+    bias_ptr,  # [N], or any pointer when not HAS_BIAS
+    y_ptr,  # [N]
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`w @ (silu(gate) * up) (+ bias)`: a gated MLP's down projection with its gating."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    _linear_block(gate_ptr, w_ptr, bias_ptr, y_ptr, tl.program_id(0), N, K, stride_wn,
+                  BLOCK_N, BLOCK_K, HAS_BIAS, EVEN_K, PDL, up_ptr, True)
 
 
 @triton.jit
@@ -117,4 +156,4 @@ def grouped_skinny_linear_kernel(
     start = _pick(in3, start3, _pick(in2, start2, _pick(in1, start1, 0)))
     column = _pick(in3, N0 + N1 + N2, _pick(in2, N0 + N1, _pick(in1, N0, 0)))
     _linear_block(x_ptr, w, b, y_ptr + column, pid - start, n, K, stride,
-                  BLOCK_N, BLOCK_K, HAS_BIAS, EVEN_K, PDL)
+                  BLOCK_N, BLOCK_K, HAS_BIAS, EVEN_K, PDL, x_ptr, False)

@@ -78,8 +78,11 @@ def test_inductor_options_reach_every_compile(monkeypatch):
     _call(model, compiled, 3)
     general = [opts for static, opts in seen if not static]
     at_size = [opts for static, opts in seen if static]
-    assert general == [{"epilogue_fusion": False}] * 3
-    assert at_size == [{"epilogue_fusion": False, "coordinate_descent_tuning": True}] * 3
+    # the config's own patches (combo kernels) under the user's options
+    patches = backend.config.compile.inductor_patches()
+    assert patches["epilogue_fusion"] is False and "combo_kernels" in patches
+    assert general == [patches] * 3
+    assert at_size == [{**patches, "coordinate_descent_tuning": True}] * 3
 
 
 def test_options_are_stored_as_sorted_pairs():

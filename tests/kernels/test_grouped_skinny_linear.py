@@ -21,6 +21,7 @@ from cgcompile.testing.models import RMSNorm
 
 GROUPED = torch.ops.cgcompile.grouped_skinny_linear.default
 SINGLE = torch.ops.cgcompile.skinny_linear.default
+GATED = torch.ops.cgcompile.silu_mul_linear.default
 MM = torch.ops.aten.mm.default
 BF16 = torch.bfloat16
 
@@ -101,8 +102,9 @@ def test_the_post_grad_pass_counts_grouped_and_single_products():
     original = _copy(gm)
     rewrites = PostGradPass(skinny_linears=True)
     rewrites(gm)
-    assert (rewrites.grouped_linears, rewrites.rewritten_linears) == (5, 6)
-    assert _count(gm, GROUPED) == 2 and _count(gm, SINGLE) == 1 and _count(gm, MM) == 0
+    assert (rewrites.grouped_linears, rewrites.rewritten_linears, rewrites.gated_linears) == (5, 6, 1)
+    # the single product, down, reads silu(gate) * up: it makes that product itself
+    assert _count(gm, GROUPED) == 2 and _count(gm, GATED) == 1 and _count(gm, SINGLE) == 0 and _count(gm, MM) == 0
     _assert_same_results(gm, original, BLOCK_SHAPES)
 
 
