@@ -13,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
+mkdir -p "$OUT"
 LIMIT=${1:-500}
 LOGS=$(mktemp -d)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
