@@ -3,7 +3,8 @@
 Reads a torch.profiler chrome trace (`prof.export_chrome_trace`) of N steps and splits
 the GPU time into classes, each with the bytes it must move per step where that is known:
 
-    gemm        matrix products (cuBLAS, CUTLASS, Triton mm templates, the skinny linear kernels, and Inductor reductions
+    gemm        matrix products (cuBLAS, CUTLASS, Triton mm templates, the skinny linear kernels (the SiLU-gated one
+                too), and Inductor reductions
                 that multiply and sum, `Config.matvec_as_reduction`'s one-row linears, with
                 whatever Inductor fused into them): every weight matrix is read once per step,
                 so their bytes are the matmul weights
@@ -29,7 +30,7 @@ import dataclasses
 import re
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul|skinny_linear", re.I)
+GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul|skinny_linear|silu_mul_linear", re.I)
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|combine_splits", re.I)  # combine_splits: decode_attention's
 MATVEC = re.compile(r"^triton_(red|per)_fused\w*(mul\w*_sum|sum\w*_mul)")  # a product written as a reduction
 COPY = re.compile(r"copy|memcpy|memset|fill", re.I)

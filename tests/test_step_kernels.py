@@ -88,3 +88,14 @@ def test_products_written_as_reductions_are_matmuls_and_dtype_casts_are_not_copi
     ]}
     b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
     assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {"gemm": 0.02, "elementwise": 0.004, "copy": 0.002}
+
+
+def test_the_skinny_kernels_are_matmuls_the_gated_one_too():
+    trace = {"traceEvents": [
+        _launch("cudaGraphLaunch", 0, 1),
+        _kernel("skinny_linear_kernel", 10, 5, 1),
+        _kernel("silu_mul_linear_kernel", 20, 7, 1),  # a down projection that makes its own gated input
+        _kernel("triton_poi_fused_mul_silu_0", 30, 1, 1),  # the gating as its own kernel: elementwise
+    ]}
+    b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
+    assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {"gemm": 0.012, "elementwise": 0.001}
