@@ -384,16 +384,18 @@ class Compile(_Group):
         (`full_graph_compile`) keeps cuBLAS. Needs compiler="inductor". See
         `cgcompile.passes.matvec_reduction`.""")
     skinny_linears: bool = option(True, _bool, doc="""
-        Linears of one row (a batch-1 decode step) with up to 4096 output features, in
-        bf16/fp16 on CUDA, run `cgcompile::skinny_linear`, a Triton kernel that reads each
-        weight element once, instead of cuBLAS: 1.06x to 1.9x faster than cuBLAS at every
-        shape measured on an H200 (`benchmarks/skinny_sweep.py`, benchmarks/RESULTS.md).
-        Larger products and more rows keep cuBLAS, which was level or faster there. The products are found in Inductor's post-grad graph
-        (`cgcompile.passes.skinny_linear`), so a DTensor model's shards are found too. Sums
-        are in float32 as cuBLAS's are: results agree with eager to rounding, not bit for
-        bit. One-row products of one input that stay separate (2 to 4, each within the limit:
-        a DTensor model's q/k/v shards, unfused siblings) run in one launch
-        (`cgcompile::grouped_skinny_linear`, `cgcompile.passes.skinny_groups`). Applies to the
+        Linears of one row (a batch-1 decode step), in bf16/fp16 on CUDA, run
+        `cgcompile::skinny_linear`, a Triton kernel that reads each weight element once,
+        instead of cuBLAS: faster than cuBLAS at every decoder shape measured on an H200,
+        from 256 to 128256 output features (`benchmarks/skinny_sweep.py`,
+        benchmarks/RESULTS.md). More rows keep cuBLAS, which was level or faster there. The
+        products are found in Inductor's post-grad graph (`cgcompile.passes.skinny_linear`),
+        so a DTensor model's shards are found too. Sums are in float32 as cuBLAS's are:
+        results agree with eager to rounding, not bit for bit. One-row products of one input
+        that stay separate (2 to 4: a DTensor model's q/k/v shards, unfused siblings) run in
+        one launch (`cgcompile::grouped_skinny_linear`, `cgcompile.passes.skinny_groups`),
+        and a gated MLP's down projection makes its input, `silu(gate) * up`, as it reads it
+        (`cgcompile::silu_mul_linear`, `cgcompile.passes.silu_mul_linear`). Applies to the
         pieces' Inductor compiles (`compiler="inductor"`), which the default full graph
         replays; a whole-graph compile (`full_graph_compile`) keeps cuBLAS.""")
     decode_attention_kernel: bool = option(True, _bool, doc="""
