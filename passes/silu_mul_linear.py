@@ -10,7 +10,9 @@ where `silu(g)` is the op itself or one of its decompositions: Inductor's own, i
 between two dtype conversions, `g32 / (1 + exp(-g32))`, or the core one, `g32 * sigmoid(g32)`.
 
 `find_silu_mul_linears(gm, linear)` lists the calls of the `linear` op whose input is
-such a product and nothing else reads the product, its SiLU or the reshapes between;
+such a product and nothing else reads the product, its SiLU or the reshapes between, and
+no node between the product and the call writes to memory (`Node.is_impure`: the new call
+reads g and u where the call was, later than the product did);
 `rewrite_silu_mul_linears(gm, linear, gated)` replaces each with `gated(g, u, w, b)`, which
 must compute `F.linear(F.silu(g) * u, w, b)` (to rounding) in the shape [..., N] of g's
 leading dims, viewed back to the call's shape where that differs, and removes the product
@@ -38,6 +40,7 @@ class SiluMulLinear:
     """One linear call of the graph whose input is silu(gate) * up."""
 
     call: Node  # linear(x, w, b)
+    product: Node  # silu(gate) * up
     gate: Node
     up: Node
     chain: tuple[Node, ...]  # what only the call reads: the reshapes, the product, the SiLU's nodes
@@ -45,7 +48,14 @@ class SiluMulLinear:
 
 def find_silu_mul_linears(gm: GraphModule, linear) -> list[SiluMulLinear]:
     """The calls `rewrite_silu_mul_linears` replaces, in graph order."""
-    return [m for m in map(lambda n: _as_gated(n, linear), gm.graph.nodes) if m is not None]
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
+    found = []
+    for node in nodes:
+        match = _as_gated(node, linear)
+        if match is not None and not any(n.is_impure() for n in nodes[order[match.product] + 1:order[node]]):
+            found.append(match)
+    return found
 
 
 def rewrite_silu_mul_linears(gm: GraphModule, linear, gated) -> int:
@@ -98,7 +108,7 @@ def _as_gated(node: Node, linear) -> SiluMulLinear | None:
         found = _silu_of(silu)
         if found is not None and _fits(found[0], up, weight):
             gate, nodes = found
-            return SiluMulLinear(node, gate, up, (*chain, product, *nodes))
+            return SiluMulLinear(node, product, gate, up, (*chain, product, *nodes))
     return None
 
 

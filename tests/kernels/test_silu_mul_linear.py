@@ -121,7 +121,14 @@ def _broadcast(x, w_gate, w_up, w_down):  # up's one value scales every gate val
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up).sum(-1, keepdim=True), w_down)
 
 
-@pytest.mark.parametrize("fn", [_read_twice, _silu_read_twice, _not_silu, _broadcast])
+def _written_between(x, w_gate, w_up, w_down):
+    up = F.linear(x, w_up)
+    prod = F.silu(F.linear(x, w_gate)) * up
+    up.add_(1)  # written after the product read it, before the down projection reads the product
+    return F.linear(prod, w_down), up
+
+
+@pytest.mark.parametrize("fn", [_read_twice, _silu_read_twice, _not_silu, _broadcast, _written_between])
 def test_a_product_read_elsewhere_or_not_a_gating_is_left_alone(fn):
     assert find_silu_mul_linears(_skinny_graph(fn, SEPARATE_SHAPES), SINGLE) == []
 
