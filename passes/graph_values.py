@@ -46,6 +46,11 @@ MAY_ALIAS_FUNCTIONS = VIEW_FUNCTIONS | frozenset(
 )
 
 
+# Reshapes in an aten (post-grad) graph: a new shape over the same values.
+ATEN_RESHAPES = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                           torch.ops.aten.reshape.default})
+
+
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule over a copy of `gm`'s graph (metadata kept), for passes that add
     inputs: Dynamo reads the placeholders of the graph it handed over after the backend returns."""

@@ -28,10 +28,9 @@ import math
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, meta_with_value
+from .graph_values import ATEN_RESHAPES, example_value, meta_with_value
 
 _aten = torch.ops.aten
-_RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 
@@ -96,7 +95,7 @@ def _as_gated(node: Node, linear) -> SiluMulLinear | None:
         return None
     x, weight, _ = _operands(node)
     chain = []
-    while isinstance(x, Node) and x.target in _RESHAPES and len(x.users) == 1:
+    while isinstance(x, Node) and x.target in ATEN_RESHAPES and len(x.users) == 1:
         chain.append(x)
         x = x.args[0]
     if not (isinstance(x, Node) and x.target is _aten.mul.Tensor and len(x.users) == 1 and len(x.args) == 2):

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value, meta_with_value
+from .graph_values import ATEN_RESHAPES, example_value, meta_with_value
 from .skinny_linear import SkinnyLinear, find_skinny_linears
 
 _aten = torch.ops.aten
@@ -38,8 +38,6 @@ _MOVABLE_VIEWS = frozenset({
     _aten.reshape.default, _aten.alias.default, _aten.expand.default, _aten.unsqueeze.default,
     _aten.squeeze.dim, _aten.slice.Tensor, _aten.select.int, _aten.as_strided.default,
 })
-
-_RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +81,7 @@ def rewrite_skinny_groups(gm: GraphModule, target, max_features: int, max_member
 def _input_key(node: Node):
     """What `node` computes, read through reshapes: a linear of a 3-d input reshapes it to
     [1, K] itself, so siblings read equal views of one node where the graph was not CSE'd."""
-    if node.op == "call_function" and node.target in _RESHAPES:
+    if node.op == "call_function" and node.target in ATEN_RESHAPES:
         return (node.target, _input_key(node.args[0]), *[tuple(a) if isinstance(a, list) else a for a in node.args[1:]])
     return node
 

@@ -179,18 +179,21 @@ def _(query, key, value, attn_mask, scale):
 def attention_with_kernel(query, key, value, attn_mask=None, scale=None):
     """`small_query_attention`'s contract, as the lowering puts it in a graph: the op where the
     traced operands suit the kernels, the batched matmuls (which Inductor fuses) where not."""
-    if kernel_problem(query, key, value, attn_mask) is not None:
-        return small_query_attention(query, key, value, attn_mask, scale)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return torch.ops.cgcompile.decode_attention(query, key, value, attn_mask, scale)
+    return _with_kernel(torch.ops.cgcompile.decode_attention, small_query_attention,
+                        query, key, value, attn_mask, scale)
 
 
 def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None):
     """`grouped_small_query_attention`'s contract, as `attention_with_kernel` chooses."""
+    return _with_kernel(torch.ops.cgcompile.grouped_decode_attention, grouped_small_query_attention,
+                        query, key, value, attn_mask, scale)
+
+
+def _with_kernel(op, matmuls, query, key, value, attn_mask, scale):
+    """`op` where the traced operands suit the kernels (its scale made explicit), else `matmuls`."""
     if kernel_problem(query, key, value, attn_mask) is not None:
-        return grouped_small_query_attention(query, key, value, attn_mask, scale)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    return torch.ops.cgcompile.grouped_decode_attention(query, key, value, attn_mask, scale)
+        return matmuls(query, key, value, attn_mask, scale)
+    return op(query, key, value, attn_mask, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
 @functools.cache
