@@ -30,10 +30,14 @@ def detect_fake_mode(values):
 def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: dict | None = None):
     """Compile one piece with Inductor for the shapes of its example inputs: fake ones with
     symbolic sizes, or real ones (every size an int). `options` patch Inductor's config
-    for this compile only."""
+    for this compile only. Programmatic dependent launch, where on, keeps stream order
+    (`build.dependent_launch`)."""
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, static_fakes(example_inputs), config_patches=_with_cacheable_functions(options))
+    from .build.dependent_launch import kept_in_order
+
+    with kept_in_order(options) as options:  # Inductor's PDL, if on, waiting before every access
+        return compile_fx(gm, static_fakes(example_inputs), config_patches=_with_cacheable_functions(options))
 
 
 _MARKED = "unsafe_marked_cacheable_functions"
