@@ -246,12 +246,14 @@ def test_compile_options_beside_a_compile_they_patch_are_kept(fields):
 
 
 @pytest.mark.parametrize("fields, patches", [
-    ({}, {"combo_kernels": True}),
-    ({"combo_kernels": False}, {"combo_kernels": False}),
-    ({"inductor_options": TUNING}, {"combo_kernels": True, **TUNING}),
-    ({"inductor_options": {"combo_kernels": False}}, {"combo_kernels": False}),  # the explicit option wins
+    ({}, {"combo_kernels": True, "triton.enable_pdl": True}),
+    ({"combo_kernels": False}, {"combo_kernels": False, "triton.enable_pdl": True}),
+    ({"dependent_launch": False}, {"combo_kernels": True, "triton.enable_pdl": False}),
+    ({"inductor_options": TUNING}, {"combo_kernels": True, "triton.enable_pdl": True, **TUNING}),
+    ({"inductor_options": {"combo_kernels": False}}, {"combo_kernels": False, "triton.enable_pdl": True}),  # the explicit option wins
+    ({"inductor_options": {"triton.enable_pdl": False}}, {"combo_kernels": True, "triton.enable_pdl": False}),
 ])
-def test_every_compile_is_patched_with_combo_kernels_unless_asked_otherwise(fields, patches):
+def test_every_compile_is_patched_with_combo_kernels_and_dependent_launch_unless_asked_otherwise(fields, patches):
     assert Config(**fields).compile.inductor_patches() == patches
 
 

@@ -28,12 +28,17 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
 PDL_OPTION = "triton.enable_pdl"
 KEY_TAG = "cgcompile-pdl-waits-first-v1"  # what the cache key carries while the waits are forced
+
+# The patch is process-wide (a class attribute, a config value): compiles on other threads
+# wait for it to be undone rather than save and restore each other's patched state.
+_patching = threading.RLock()
 
 
 def pdl_requested(options: dict[str, Any] | None) -> bool:
@@ -60,15 +65,16 @@ def kept_in_order(options: dict[str, Any] | None) -> Iterator[dict[str, Any] | N
         yield {**(options or {}), PDL_OPTION: False}
         return
     kernel_class, compiler_config = hooks
-    original = kernel_class._handle_pdl_before_access
-    tag = compiler_config.cache_key_tag
-    kernel_class._handle_pdl_before_access = _waiting_always(original)
-    compiler_config.cache_key_tag = f"{tag}|{KEY_TAG}" if tag else KEY_TAG
-    try:
-        yield options
-    finally:
-        kernel_class._handle_pdl_before_access = original
-        compiler_config.cache_key_tag = tag
+    with _patching:
+        original = kernel_class._handle_pdl_before_access
+        tag = compiler_config.cache_key_tag
+        kernel_class._handle_pdl_before_access = _waiting_always(original)
+        compiler_config.cache_key_tag = f"{tag}|{KEY_TAG}" if tag else KEY_TAG
+        try:
+            yield options
+        finally:
+            kernel_class._handle_pdl_before_access = original
+            compiler_config.cache_key_tag = tag
 
 
 def _waiting_always(original):
