@@ -110,6 +110,7 @@ class Backend:
         reported = dict(
             dataclasses.asdict(run),
             compilations=self._compiler.compilations,
+            compile_s=self._compiler.compile_s,
             specialised_compilations=self._compiler.specialised_compilations,  # made at first calls
             specialise_s=self._compiler.specialise_s,
             matvec_reductions=self._compiler.matvec_reductions,

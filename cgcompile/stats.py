@@ -49,6 +49,7 @@ class BackendStats:
     pieces: int = 0
     capturable_pieces: int = 0
     compilations: int = 0
+    compile_s: float = 0.0  # wall seconds those compiles took (Inductor's, at the pieces' general sizes)
     graphs_captured: int = 0
     specialised_compilations: int = 0  # compiles at one of Config.compile_sizes (one per distinct piece and size)
     specialise_s: float = 0.0  # wall seconds those compiles took: the warm-up compile_sizes adds

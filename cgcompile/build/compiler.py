@@ -200,6 +200,10 @@ class PieceCompiler:
         return self.cache.made["piece"]
 
     @property
+    def compile_s(self) -> float:
+        return self.cache.seconds["piece"]
+
+    @property
     def specialised_compilations(self) -> int:
         return self.cache.made["piece at size"]
 
