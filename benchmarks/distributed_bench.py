@@ -74,7 +74,6 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import torch  # noqa: E402
-import torch._inductor.config as inductor_config  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import cgcompile  # noqa: E402
@@ -415,7 +414,7 @@ def main():
             if dist.get_rank() == 0:
                 print(json.dumps({"device_copy_gbs": round(peak_gbs, 1), "gpus": dist.get_world_size(),
                                   "device_name": torch.cuda.get_device_name(device),
-                                  "inductor_pdl": getattr(inductor_config.triton, "enable_pdl", None)}),
+                                  "inductor_pdl": cgcompile.Config().compile.inductor_patches().get("triton.enable_pdl")}),
                       flush=True)
         floor = functools.partial(floor_of, peak_gbs)
         for model_name in args.models.split(","):
