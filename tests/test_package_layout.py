@@ -161,6 +161,13 @@ PATCH_ALLOWED = {
     ("cgcompile/run/fused_weights.py", "p.data"):
         "Config.fuse_sibling_linears: a parameter becomes a view of its rows of the fused weight, where no other "
         "tensor holds its memory (the documented sharing; torch's own way to move a parameter's data)",
+    ("cgcompile/build/dependent_launch.py", "kernel_class._handle_pdl_before_access"):
+        "Inductor's PDL wait decided as if no kernel came before, for one compile and put back after it",
+    ("cgcompile/build/dependent_launch.py", "compiler_config.cache_key_tag"):
+        "that compile keyed apart in Inductor's caches, the tag put back after it",
+    ("cgcompile/build/dependent_launch.py", "scheduler.previous_node"):
+        "hidden from Inductor's wait decision for one call, put back after it",
+    ("cgcompile/build/dependent_launch.py", "handle.__wrapped__"): "the wrapper names what it wraps, where it is made",
 }
 
 
