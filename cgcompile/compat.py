@@ -32,12 +32,13 @@ def inductor_compile(gm: torch.fx.GraphModule, example_inputs: list, options: di
     symbolic sizes, or real ones (every size an int). `options` patch Inductor's config
     for this compile only. Programmatic dependent launch, where on, keeps stream order
     (`build.dependent_launch`)."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    from .build.dependent_launch import kept_in_order
+    from .build.dependent_launch import kept_in_order, waiting_first
 
     with kept_in_order(options) as options:  # Inductor's PDL, if on, waiting before every access
-        return compile_fx(gm, static_fakes(example_inputs), config_patches=_with_cacheable_functions(options))
+        return compile_fx(gm, static_fakes(example_inputs), inner_compile=waiting_first(compile_fx_inner),
+                          config_patches=_with_cacheable_functions(options))
 
 
 _MARKED = "unsafe_marked_cacheable_functions"

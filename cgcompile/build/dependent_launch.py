@@ -7,8 +7,10 @@ loads of buffers that the kernel just before wrote: it reads anything else early
 shorter decode step"): a graph input written in place was read by a later kernel before the
 write had landed.
 
-`kept_in_order(options)` wraps one Inductor compile. Where the compile has PDL on, each
-kernel waits before its first load or store, as if the kernel before had written every
+`kept_in_order(options)` wraps one Inductor compile, and `waiting_first(inner_compile)`
+the compile of each of its graphs, forward or backward: AOTAutograd compiles a backward
+lazily, at the first backward call, after the outer compile has returned. Where PDL is on,
+each kernel waits before its first load or store, as if the kernel before had written every
 buffer: kernels still launch early, so their set-up overlaps the previous kernel's tail,
 but none touches memory before the kernel before it has finished. By induction every
 kernel then sees memory as stream order leaves it, whatever Inductor's dependence check
@@ -16,10 +18,10 @@ decides. cgcompile's own Triton kernels wait the same way.
 
 How: Inductor decides each wait in `TritonKernel._handle_pdl_before_access`, from the
 scheduler's `previous_node`; with no previous node it always waits. The compile runs with
-that method seeing none. The change is part of the compile's cache key
-(`torch.compiler.config.cache_key_tag`), so a kernel compiled without it is never served
-from Inductor's caches. A torch whose Inductor lacks either hook gets the compile with PDL
-off, and a warning.
+that method seeing none. The change is part of the compile's cache keys
+(`torch.compiler.config.cache_key_tag`, which AOTAutograd's and Inductor's keys include),
+so code compiled without it is never served from their caches. A torch whose Inductor
+lacks either hook gets the compile with PDL off, and a warning.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import functools
 import inspect
 import logging
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +57,8 @@ def pdl_requested(options: dict[str, Any] | None) -> bool:
 def kept_in_order(options: dict[str, Any] | None) -> Iterator[dict[str, Any] | None]:
     """Around one Inductor compile: yields the option patches to compile with. Where they
     have PDL on, every kernel waits before its first memory access (or, where this torch
-    cannot be made to, PDL is turned off for the compile)."""
+    cannot be made to, PDL is turned off for the compile). The compile passes its graphs'
+    compiles through `waiting_first`, for a backward compiled after this returns."""
     if not pdl_requested(options):
         yield options
         return
@@ -64,15 +67,56 @@ def kept_in_order(options: dict[str, Any] | None) -> Iterator[dict[str, Any] | N
         _warn_once(hooks)
         yield {**(options or {}), PDL_OPTION: False}
         return
-    kernel_class, compiler_config = hooks
+    with _waits_forced(*hooks):
+        yield options
+
+
+def waiting_first(inner_compile: Callable) -> Callable:
+    """Inductor's compile of one graph (`compile_fx`'s `inner_compile`), forcing the waits
+    whenever it runs with PDL on: compile_fx runs it under the compile's option patches, the
+    lazy backward's too, so Inductor's config says whether PDL is on."""
+
+    @functools.wraps(inner_compile)
+    def compile_waiting_first(*args, **kwargs):
+        import torch._inductor.config as inductor_config
+
+        if not inductor_config.triton.enable_pdl:
+            return inner_compile(*args, **kwargs)
+        hooks = _hooks()
+        if isinstance(hooks, str):  # kept_in_order turns PDL off before a compile gets here
+            raise RuntimeError(f"cgcompile: a compile has {PDL_OPTION} on but its kernels cannot be made "
+                               f"to wait before every memory access: {hooks}")
+        with _waits_forced(*hooks):
+            return inner_compile(*args, **kwargs)
+
+    return compile_waiting_first
+
+
+_forced_depth = 0  # how many _waits_forced blocks are open (they nest: a compile, its graphs)
+
+
+@contextlib.contextmanager
+def _waits_forced(kernel_class: type, compiler_config: Any) -> Iterator[None]:
+    """Inductor's kernels wait before their first memory access, and the cache keys say so,
+    until the outermost block ends."""
+    global _forced_depth
     with _patching:
+        if _forced_depth:
+            _forced_depth += 1
+            try:
+                yield
+            finally:
+                _forced_depth -= 1
+            return
         original = kernel_class._handle_pdl_before_access
         tag = compiler_config.cache_key_tag
         kernel_class._handle_pdl_before_access = _waiting_always(original)
         compiler_config.cache_key_tag = f"{tag}|{KEY_TAG}" if tag else KEY_TAG
+        _forced_depth = 1
         try:
-            yield options
+            yield
         finally:
+            _forced_depth = 0
             kernel_class._handle_pdl_before_access = original
             compiler_config.cache_key_tag = tag
 

@@ -86,6 +86,50 @@ def test_a_cpu_compile_asked_for_pdl_equals_eager_and_leaves_the_key_tag():
     assert compiler_config.cache_key_tag == tag
 
 
+def test_a_backward_compiled_after_the_forward_waits_too(monkeypatch):
+    # AOTAutograd compiles a backward at the first backward call, after the compile that
+    # kept_in_order wraps has returned: each graph's own compile forces the waits again.
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    inner = compile_fx_module._compile_fx_inner  # what compile_fx_inner calls for each graph
+
+    def spy(*args, **kwargs):
+        decide = TritonKernel._handle_pdl_before_access
+        seen.append((bool(kwargs.get("is_backward")), hasattr(decide, "__wrapped__"),
+                     KEY_TAG in compiler_config.cache_key_tag))
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "_compile_fx_inner", spy)
+    config = cgcompile.Config(compiler="inductor", inductor_options={PDL_OPTION: True})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    compiled = torch.compile(model, backend=cgcompile.Backend(config))
+    x = torch.randn(5, 8)
+    with inductor_config.patch(force_disable_caches=True):  # a compile served from a cache makes no graph
+        compiled(x).sum().backward()
+    assert not hasattr(TritonKernel._handle_pdl_before_access, "__wrapped__")  # put back after
+    assert (True, True, True) in seen, seen  # the backward's compile, with the waits forced
+    assert all(forced and keyed for _, forced, keyed in seen), seen
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for grad, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(grad, p.grad)
+
+
+def test_a_graph_compiled_with_pdl_off_is_left_alone(monkeypatch):
+    seen = []
+
+    def inner(*args, **kwargs):
+        seen.append(hasattr(TritonKernel._handle_pdl_before_access, "__wrapped__"))
+
+    with inductor_config.patch({PDL_OPTION: False}):
+        dependent_launch.waiting_first(inner)()
+    with inductor_config.patch({PDL_OPTION: True}):
+        dependent_launch.waiting_first(inner)()
+    assert seen == [False, True]
+
+
 class _WrittenThenRead(torch.nn.Module):
     """The fuzzer's seed 2039 (benchmarks/RESULTS.md): a buffer written in place, then read."""
 
