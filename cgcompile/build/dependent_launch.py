@@ -3,9 +3,9 @@
 With `triton.enable_pdl` (Hopper and later) Inductor launches each Triton kernel so that it
 may start while the kernel before it still runs, and puts the wait (`gdc_wait`) only before
 loads of buffers that the kernel just before wrote: it reads anything else early. On torch
-2.11 that check let a kernel read a buffer stale (benchmarks/RESULTS.md, "Four ways to a
-shorter decode step"): a graph input written in place was read by a later kernel before the
-write had landed.
+2.11 that check let a kernel read a buffer stale: a graph input written in place was read
+by a later kernel before the write had landed (the case is in docs/performance.md,
+"Programmatic dependent launch").
 
 `kept_in_order(options)` wraps one Inductor compile, and `waiting_first(inner_compile)`
 the compile of each of its graphs, forward or backward: AOTAutograd compiles a backward
