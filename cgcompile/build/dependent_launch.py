@@ -33,6 +33,8 @@ import logging
 import threading
 from typing import Any, Callable, Iterator
 
+import torch
+
 log = logging.getLogger(__name__)
 
 PDL_OPTION = "triton.enable_pdl"
@@ -82,6 +84,11 @@ def waiting_first(inner_compile: Callable) -> Callable:
 
         if not inductor_config.triton.enable_pdl:
             return inner_compile(*args, **kwargs)
+        if _draws_random_numbers(args[0] if args else kwargs["gm"]):
+            # Inductor's kernels read their random seed without a wait (`load_seed`).
+            log.debug("cgcompile: a graph that draws random numbers is compiled without %s", PDL_OPTION)
+            with inductor_config.patch({PDL_OPTION: False}):
+                return inner_compile(*args, **kwargs)
         hooks = _hooks()
         if isinstance(hooks, str):  # kept_in_order turns PDL off before a compile gets here
             raise RuntimeError(f"cgcompile: a compile has {PDL_OPTION} on but its kernels cannot be made "
@@ -90,6 +97,13 @@ def waiting_first(inner_compile: Callable) -> Callable:
             return inner_compile(*args, **kwargs)
 
     return compile_waiting_first
+
+
+def _draws_random_numbers(gm) -> bool:
+    """Whether an aten graph calls an op that draws from the random generator."""
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(node.op == "call_function" and seeded in getattr(node.target, "tags", ())
+               for node in gm.graph.nodes)
 
 
 _forced_depth = 0  # how many _waits_forced blocks are open (they nest: a compile, its graphs)

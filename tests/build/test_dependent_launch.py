@@ -117,16 +117,40 @@ def test_a_backward_compiled_after_the_forward_waits_too(monkeypatch):
         torch.testing.assert_close(grad, p.grad)
 
 
+def test_a_graph_that_draws_random_numbers_compiles_without_pdl(monkeypatch):
+    # Inductor's kernels load their random seed without waiting: such a graph gets no PDL.
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seen = []
+    inner = compile_fx_module._compile_fx_inner
+
+    def spy(*args, **kwargs):
+        seen.append(inductor_config.triton.enable_pdl)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "_compile_fx_inner", spy)
+    config = cgcompile.Config(compiler="inductor", inductor_options={PDL_OPTION: True})
+    noisy = torch.compile(lambda x: x + torch.rand_like(x), backend=cgcompile.Backend(config))
+    plain = torch.compile(lambda x: x * 3, backend=cgcompile.Backend(config))
+    x = torch.randn(4, 8)
+    with inductor_config.patch(force_disable_caches=True):
+        noisy(x)
+        assert seen == [False]
+        torch.testing.assert_close(plain(x), x * 3)
+        assert seen == [False, True]
+
+
 def test_a_graph_compiled_with_pdl_off_is_left_alone(monkeypatch):
     seen = []
 
     def inner(*args, **kwargs):
         seen.append(hasattr(TritonKernel._handle_pdl_before_access, "__wrapped__"))
 
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
     with inductor_config.patch({PDL_OPTION: False}):
-        dependent_launch.waiting_first(inner)()
+        dependent_launch.waiting_first(inner)(gm, [])
     with inductor_config.patch({PDL_OPTION: True}):
-        dependent_launch.waiting_first(inner)()
+        dependent_launch.waiting_first(inner)(gm, [])
     assert seen == [False, True]
 
 
