@@ -485,6 +485,16 @@ def decode_graph_pieces(backend) -> dict:
     return {"decode_graph_pieces": len(pieces), "decode_graph_capturable": sum(p.capturable for p in pieces)}
 
 
+def warmup_parts(warmup_s: float, stats: dict) -> str:
+    """A cgcompile warm-up taken apart by the Backend's own clocks: Inductor's piece compiles
+    (AOT tracing included), the full graphs' compiles, and the rest (Dynamo's tracing, the
+    split, the captures)."""
+    pieces = stats.get("compile_s", 0.0) + stats.get("specialise_s", 0.0)
+    full = stats.get("full_graph_compile_s", 0.0)
+    return (f"piece compiles {pieces:.1f} s, full-graph compiles {full:.1f} s, "
+            f"the rest (Dynamo, split, captures) {warmup_s - pieces - full:.1f} s")
+
+
 def run_guarded(variant: str, batch: int, args, warm):
     """warm() under the variant's compile settings, or a Row with the error: one broken
     variant must not end the run."""
@@ -618,6 +628,8 @@ def print_table(rows: list[Row], checks: list[dict], floor: dict | None = None) 
     for r in rows:
         if r.cgcompile_stats:
             print(f"cgcompile batch {r.batch}: {r.cgcompile_stats}")
+            if r.warmup_s is not None:
+                print(f"{r.variant} batch {r.batch} warm-up parts: {warmup_parts(r.warmup_s, r.cgcompile_stats)}")
         if r.breakable_stats:
             print(f"breakable batch {r.batch}: {r.breakable_stats}")
         if r.long_decode_tok_s_windows:
