@@ -158,13 +158,17 @@ def test_hf_generate_compiles_its_decode_step_with_cgcompile(compiler, whole):
     backend = cgcompile.Backend(cgcompile.Config(compiler=compiler, capturable_split_ops=("attention",),
                                                  full_graph_compile=whole, small_query_attention=whole))
     prompt = (torch.arange(15, device="cuda").view(3, 5) * 7 + 1) % 128
+    captured = []
     for _ in range(2):
         got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=FIXED_NEW_TOKENS,
                              min_new_tokens=FIXED_NEW_TOKENS, do_sample=False, cache_implementation="static",
                              compile_config=CompileConfig(backend=backend, mode=None))
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        captured.append(backend.stats.graphs_captured)
     stats = backend.stats
     assert stats.graphs_seen == 1 and stats.graphs_captured > 0
+    # A cache at a new address costs the full graph's capture alone, not every piece's too.
+    assert captured[1] - captured[0] == stats.parameter_recaptures
     assert stats.full_graph_calls + stats.piecewise_calls == 2 * (FIXED_NEW_TOKENS - 1)
     assert stats.piecewise_calls <= 3, stats.piecewise_reasons
     assert stats.full_graph_compilations == (1 if whole else 0)

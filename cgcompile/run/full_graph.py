@@ -101,6 +101,12 @@ class FullGraph:
         self.graphs.clear()
         self._last_key.clear()
 
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (their parameters moved) but not the last call's key
+        of each size: the call that finds the new parameters settled then captures at once,
+        if its key is that of the call before (`moved`), without a piecewise call first."""
+        self.graphs.clear()
+
     def run(self, args: Sequence, n: int, size: int | None):
         if self.disabled or size is None or n != size or self.session.mode is not Mode.LAZY:
             return self._piecewise(self._why_not(n, size), "")
@@ -125,9 +131,16 @@ class FullGraph:
         self._count("full")
         return self._capture(args, size, key)
 
-    def skip(self, case: str) -> None:
-        """Count this call as piecewise for `case`, decided by the caller."""
-        return self._piecewise(case, "")
+    def moved(self, args: Sequence, n: int, size: int | None) -> None:
+        """A call whose parameters are not where the graphs read them: it runs without
+        graphs. Its key is kept as the last of its size, so that the next call, if the new
+        parameters are still there (settled: graphs dropped, `drop_graphs`) and it hands the
+        same key, captures the full graph directly. For a static cache made anew at every
+        generate(), that is one capture per generate() instead of every piece's and then the
+        full graph's."""
+        if not self.disabled and size is not None and n == size and self.session.mode is Mode.LAZY:
+            self._last_key[size] = self.plan.key(args)
+        return self._piecewise("its parameters are not where its graphs read them", "")
 
     # -- the two paths ---------------------------------------------------------------------
 

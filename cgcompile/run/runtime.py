@@ -407,7 +407,7 @@ class GraphRuntime:
         """`drop_graphs`, and the full graphs too."""
         self.drop_graphs()
         if self.full is not None:
-            self.full.clear()
+            self.full.drop_graphs()
 
     def __call__(self, *args):
         if self.specs is not None:
@@ -423,14 +423,15 @@ class GraphRuntime:
             n = args[self.sizing.input_index].shape[self.sizing.dim]
             size = self.sizing.policy.size_for(n)
         self.step = CallSize(n, size if graphs else None)
-        return self._run(args, n, size if graphs else None, graphs)
+        return self._run(args, n, size, graphs)
 
     def _run(self, args: tuple, n: int, size: int | None, graphs: bool):
         if self.full is not None:
-            outputs = self.full.run(args, n, size) if graphs else self.full.skip(
-                "its parameters are not where its graphs read them")
+            outputs = self.full.run(args, n, size) if graphs else self.full.moved(args, n, size)
             if outputs is not None:
                 return outputs
+        if not graphs:
+            size = None  # the pieces run without their graphs
         for executor in self.executors:  # the stitch never declines
             outputs = (executor.run(args, n, size) if self.cudnn_attention
                        else call_without_cudnn_attention(executor.run, args, n, size))

@@ -21,6 +21,7 @@ from cgcompile.build import phases
 from cgcompile.run.capture import CaptureSession
 from cgcompile.build.compiler import EagerPieceCompiles, PieceCompiler
 from cgcompile.run.recovery import UncapturableOps
+from cgcompile.run.weights import ParameterAddresses
 from cgcompile.testing.models import ACCUMULATE_OP, HOST_SCALE_OP, SILLY_OP, StaticCacheDecoder, ToyLlama
 
 FULL = cgcompile.Config(compiler="eager", capturable_split_ops=("attention",))
@@ -400,6 +401,37 @@ def test_alternating_host_values_do_not_recapture_every_other_call():
         torch.testing.assert_close(compiled(x, k), model(x, k), rtol=0, atol=0)
     # 3 first, 3 captured; then every 3 replays and every 5 runs piecewise
     assert (backend.stats.piecewise_calls, backend.stats.full_graph_calls) == (4, 3)
+
+
+@torch.no_grad()
+def test_after_parameters_move_and_settle_the_full_graph_is_captured_at_once():
+    """A parameter replaced for good (as the tensors of a new static cache are, at every
+    generate() through its own compile): the first call with it runs without graphs, and
+    the next, where the watch finds it settled, captures the full graph directly, not the
+    pieces first. The parameter watch is set up by hand here: without CUDA the backend
+    makes none."""
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().eval()
+    reference = copy.deepcopy(model)
+    backend = cgcompile.Backend(FULL)
+    compiled = torch.compile(model, backend=backend)
+    decode_steps(compiled, 2), decode_steps(reference, 2)  # the same cache writes in both
+    runtime = backend.runtimes[-1]  # the decode graph's
+    names = list(runtime.full.plan.names)
+    index = next(i for i, name in enumerate(names) if "lm_head" in name)
+    runtime.addresses = ParameterAddresses("graph1", [index], [names[index]], runtime._recapture)
+    prompt = 4
+    step = lambda s: (torch.tensor([s % 7]), torch.tensor([prompt + s]))
+    reference(*step(0)), compiled(*step(0))  # the watch takes the addresses
+    before = dict(runtime.full.reasons), runtime.full.calls["full"]
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone() * 2)
+    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone() * 2)
+    for s in range(1, 5):
+        torch.testing.assert_close(compiled(*step(s)), reference(*step(s)), rtol=0, atol=0)
+    reasons = {k: v - before[0].get(k, 0) for k, v in runtime.full.reasons.items()}
+    assert {k: v for k, v in reasons.items() if v} == {"its parameters are not where its graphs read them": 1}
+    assert runtime.full.calls["full"] - before[1] == 3  # captured at the settled call, then replayed
+    assert runtime.addresses.recaptures == 1
 
 
 @torch.no_grad()
