@@ -415,22 +415,26 @@ def test_after_parameters_move_and_settle_the_full_graph_is_captured_at_once():
     reference = copy.deepcopy(model)
     backend = cgcompile.Backend(FULL)
     compiled = torch.compile(model, backend=backend)
-    decode_steps(compiled, 2), decode_steps(reference, 2)  # the same cache writes in both
+    for m in (compiled, reference):  # prefill and two decode steps: the same cache writes in both
+        decode_steps(m, 2)
     runtime = backend.runtimes[-1]  # the decode graph's
     names = list(runtime.full.plan.names)
     index = next(i for i, name in enumerate(names) if "lm_head" in name)
     runtime.addresses = ParameterAddresses("graph1", [index], [names[index]], runtime._recapture)
-    prompt = 4
-    step = lambda s: (torch.tensor([s % 7]), torch.tensor([prompt + s]))
-    reference(*step(0)), compiled(*step(0))  # the watch takes the addresses
-    before = dict(runtime.full.reasons), runtime.full.calls["full"]
-    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone() * 2)
-    reference.lm_head.weight = nn.Parameter(reference.lm_head.weight.detach().clone() * 2)
+
+    def step(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([s % 7]), torch.tensor([4 + s])  # after decode_steps' prompt of 4
+
+    for m in (compiled, reference):  # the watch takes the addresses
+        m(*step(0))
+    reasons_before, full_before = dict(runtime.full.reasons), runtime.full.calls["full"]
+    for m in (model, reference):
+        m.lm_head.weight = nn.Parameter(m.lm_head.weight.detach().clone() * 2)
     for s in range(1, 5):
         torch.testing.assert_close(compiled(*step(s)), reference(*step(s)), rtol=0, atol=0)
-    reasons = {k: v - before[0].get(k, 0) for k, v in runtime.full.reasons.items()}
-    assert {k: v for k, v in reasons.items() if v} == {"its parameters are not where its graphs read them": 1}
-    assert runtime.full.calls["full"] - before[1] == 3  # captured at the settled call, then replayed
+    new_reasons = {k: v - reasons_before.get(k, 0) for k, v in runtime.full.reasons.items()}
+    assert {k: v for k, v in new_reasons.items() if v} == {"its parameters are not where its graphs read them": 1}
+    assert runtime.full.calls["full"] - full_before == 3  # captured at the settled call, then replayed
     assert runtime.addresses.recaptures == 1
 
 
