@@ -77,6 +77,20 @@ def hf_static_generate_on_cpu_names_full_graph_calls_without_graphs(lines: list[
     assert tokens.startswith("greedy tokens identical to eager")
 
 
+def test_hf_static_generate_through_generates_own_compile():
+    """examples/hf_static_generate.py --generate-compile: generate() compiles only the decode
+    step with the example's Backend, over one cache for both calls; tokens equal eager's."""
+    example = next(e for e in EXAMPLES if e.name == "hf_static_generate.py")
+    result = subprocess.run([sys.executable, str(example), "--generate-compile"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    decode, tokens = result.stdout.splitlines()
+    assert tokens.startswith("greedy tokens identical to eager"), tokens
+    full, piecewise = (int(n) for n in re.search(r"decode calls: (\d+) full-graph calls .*, (\d+) piecewise",
+                                                  decode).groups())
+    assert full > 0 and full + piecewise == 2 * 23, decode  # two calls of 24 tokens: only decode steps compiled
+
+
 def plain_decode_loop_gives_generates_tokens(lines: list[str]) -> None:
     """examples/hf_decode_loop.py: a greedy loop over a StaticCache, compiled, with the next
     token and the cache position kept on the device, gives generate()'s tokens."""
