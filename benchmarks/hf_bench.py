@@ -110,8 +110,8 @@ Method:
     warm generate(8) (host and device time per op): where a decode step's time goes.
 Targets (decode tokens/s): cgcompile >= 2.5x eager at batch 1; cgcompile >= 0.9x static at
 every batch. Full graphs (issues 16 and 43): cgcompile-static and cgcompile-auto >= 1.2x static
-at every batch, with a warm-up of at most 0.6x static's. Breakable (issue 15): >= 4x eager at batch 1 and >= 3x at other batches;
->= 0.7x cgcompile; warm-up < 3 s and < 0.2x cgcompile's; long run flat >= 0.8.
+at every batch, with a warm-up of at most 0.6x static's. Breakable (issue 15): >= 4x eager at
+batch 1 and >= 3x at other batches; >= 0.7x cgcompile; warm-up < 3 s and < 0.2x cgcompile's; long run flat >= 0.8.
 Each variant runs under try/except; a failure is a row with its error.
 With OUT set, the results go to $OUT/hf_bench.json.
 """
@@ -141,8 +141,6 @@ from harness import fresh_compile_cache
 SHAPES = {"1b": ModelConfig(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=32000),
           "8b": MODEL_CONFIGS["8b"]}
 TINY = ModelConfig(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=128)
-# generate() compiles a static cache's decode step on accelerators only (elsewhere these run eagerly)
-CUDA_ONLY = ("static", "cgcompile-auto-sq-fused", "cgcompile-auto-default", "cgcompile-auto-whole-sq-fused-eager")
 TARGET_VS_EAGER = 2.5
 TARGET_VS_STATIC = 0.9
 BREAKABLE_VS_EAGER = {1: 4.0}  # other batches: BREAKABLE_VS_EAGER_ELSE
@@ -507,10 +505,16 @@ def warmup_parts(warmup_s: float, stats: dict) -> str:
             f"the rest (Dynamo, split, captures) {warmup_s - pieces - full:.1f} s")
 
 
+def needs_cuda(variant: str) -> bool:
+    """Whether generate() compiles the variant's decode step itself: it does so on accelerators
+    only, and elsewhere would run it eagerly under the variant's name."""
+    return variant == "static" or variant.startswith("cgcompile-auto")
+
+
 def run_guarded(variant: str, batch: int, args, warm):
     """warm() under the variant's compile settings, or a Row with the error: one broken
     variant must not end the run."""
-    if variant in CUDA_ONLY and args.device != "cuda":
+    if needs_cuda(variant) and args.device != "cuda":
         return Row(variant, batch, error="skipped: needs CUDA (generate() compiles a static cache on accelerators only)")
     try:
         settings = VARIANT_COMPILER_CONFIG.get(variant, {})
