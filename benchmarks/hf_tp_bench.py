@@ -77,9 +77,10 @@ def parse_args():
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
                         "(where the host time of a call goes)")
-    p.add_argument("--spec-guards", default="kept", choices=["kept", "dropped", "both"],
-                   help="Dynamo's DTensor spec guards on parameters: kept, dropped (cgcompile checks the specs, "
-                        "cgcompile.parallel.dtensor_guards), or both as two variants")
+    p.add_argument("--spec-guards", default="dropped", choices=["kept", "dropped", "both"],
+                   help="Dynamo's DTensor spec guards on parameters: dropped (Config.dtensor_spec_guards="
+                        "'cgcompile', the default: cgcompile checks the specs), kept ('dynamo'), or both as two "
+                        "variants (the kept one's name ends in -dynamo-spec)")
     p.add_argument("--kernels", action="store_true",
                    help="every rank prints its decode step's kernels by class (matmuls, collectives, copies, "
                         "...) beside its weight-bytes floor, for the first compiled variant (step_kernels.py)")
@@ -249,23 +250,24 @@ def kernel_report(forward, model, prompt, args, label: str, device) -> None:
 
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
     """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`
-    and per --spec-guards choice (the variant's name ends in "-nospec" where dropped)."""
-    from cgcompile.parallel.dtensor_guards import without_parameter_spec_guards
-
+    and per --spec-guards choice (the variant's name ends in "-dynamo-spec" where Dynamo's
+    DTensor spec guards are kept)."""
     eager_forward = model.forward
-    drops = {"kept": [False], "dropped": [True], "both": [False, True]}[args.spec_guards]
+    drops = {"kept": [False], "dropped": [True], "both": [True, False]}[args.spec_guards]
+    if prefix == "tp1":
+        drops = drops[:1]  # one GPU: no DTensor parameters, so no spec guards either way
     for all_reduce, dropped in ((a, d) for a in all_reduces for d in drops):
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local",
-                                                     skinny_linears=not args.no_skinny))
-        options = {"guard_filter_fn": without_parameter_spec_guards} if dropped else None
-        model.forward = torch.compile(eager_forward, backend=backend, options=options)
-        variant = f"{prefix}-cgcompile" + ("-nospec" if dropped else "")
+                                                     skinny_linears=not args.no_skinny,
+                                                     dtensor_spec_guards="cgcompile" if dropped else "dynamo"))
+        model.forward = torch.compile(eager_forward, backend=backend)
+        variant = f"{prefix}-cgcompile" + ("" if dropped else "-dynamo-spec")
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
-        if args.kernels and device.type == "cuda" and not dropped and all_reduce == all_reduces[0]:
+        if args.kernels and device.type == "cuda" and dropped == drops[0] and all_reduce == all_reduces[0]:
             kernel_report(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
         if args.guard_probe:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -313,7 +315,7 @@ def print_summary(rows, args):
 
     single = ms("tp1-cgcompile", "auto")
     for all_reduce in args.all_reduce.split(","):
-        for name in (f"{args.prefix}-cgcompile", f"{args.prefix}-cgcompile-nospec"):
+        for name in (f"{args.prefix}-cgcompile", f"{args.prefix}-cgcompile-dynamo-spec"):
             tp = ms(name, all_reduce)
             if tp and single:
                 host, single_host = ms(name, all_reduce, "host_ms_per_call"), \

@@ -126,7 +126,7 @@ step hf_tp_n2 && run hf_tp_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}"
 step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --profile --guard-probe \
     --repeats 1
 step hf_kernels_n2 && run hf_kernels_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --kernels \
-    --spec-guards kept --repeats 1
+    --spec-guards dropped --repeats 1
 step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
     --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
 step tp_8b_n2_nccl && run tp_8b_n2_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \

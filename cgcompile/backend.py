@@ -26,7 +26,7 @@ from .tools.aot_capture import (
     requested_sizes,
 )
 from .run.capture import CaptureSession
-from .compat import torch_compile_call_of, torch_compile_call_on_stack
+from .compat import graph_input_sources, torch_compile_call_of, torch_compile_call_on_stack
 from .build.compiler import EagerPieceCompiles, PieceCompiler
 from .config import Config, as_config
 from .errors import ArgumentError, CaptureError, ConfigError, StateError, expect, expected
@@ -127,6 +127,7 @@ class Backend:
         _refuse_mode("torch.compile(..., backend=Backend(...))", mode, "set Config fields in Backend(Config(...))")
         index = self._stats.graphs_seen
         self._stats.graphs_seen += 1
+        sources = graph_input_sources(gm)  # before any rewrite adds or drops inputs
         fusion = phases.fuse_linears(index, gm, example_inputs, self.config, self._fused_weights)
         self._count_fusion(fusion)
         gm = fusion.gm
@@ -145,11 +146,12 @@ class Backend:
         clone = phases.outputs_to_clone(gm, split, runners, self.config)
         watch = phases.address_watch(build, gm, split, fusion, scalars)
         recovery = phases.piece_recovery(build, split, self._records, self._uncapturable)
+        specs = phases.dtensor_specs(build, gm, example_inputs, sources)
         runtime = GraphRuntime(
             split.stitch, list(runners.runners), clone, self.config.split.cudnn_attention,
             phases.call_sizing(build, self.session),
             full=full.graph, fused=fusion.weights, scalars=scalars.buffer, addresses=watch, session=self.session,
-            recovery=recovery, graph_name=f"graph{index}", specs=phases.dtensor_specs(build, gm, example_inputs),
+            recovery=recovery, graph_name=f"graph{index}", specs=specs,
         )
         self.runtimes.append(runtime)
         self._dump(index, gm, split, analysis, full.summary)

@@ -224,3 +224,32 @@ def fresh_inductor_cache():
 def value_range_within(inner, outer) -> bool:
     """True when the ValueRanges `inner` lies within `outer`."""
     return inner.issubset(outer)
+
+
+def graph_input_sources(gm: torch.fx.GraphModule) -> list:
+    """The Dynamo source (`L['self']._modules['q']._parameters['weight']`) each placeholder
+    of a graph Dynamo hands a backend was read from, or None where it has none."""
+    return [getattr(n.meta.get("grapharg"), "source", None) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def drop_frame_guards(drop) -> int:
+    """Remove the guards `drop(guard)` picks from those Dynamo will build the check of the
+    frame being compiled from; how many. Only a backend may call this: Dynamo calls it
+    before it builds that check, in the tracing context that holds the guards."""
+    from collections import defaultdict
+
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is None:
+        return 0
+    guards = context.guards_context.dynamo_guards
+    kept = [guard for guard in guards.inner if not drop(guard)]
+    dropped = len(guards.inner) - len(kept)
+    if dropped:
+        guards.inner = type(guards.inner)(kept)
+        if hasattr(guards, "source_to_guards"):  # an index by source (torch >= 2.12): built again
+            guards.source_to_guards = defaultdict(list)
+            for guard in kept:
+                guards.track_guard_by_source(guard)
+    return dropped

@@ -455,8 +455,8 @@ class Graphs(_Group):
 
 @_group
 class Rewrites(_Group):
-    """Rewrites of the Dynamo graph made before it is split. Results agree with eager to rounding,
-    not bit for bit."""
+    """Rewrites of the Dynamo graph made before it is split, and of the frame's guards. Results
+    agree with eager to rounding, not bit for bit."""
 
     fold_grouped_query: bool = option(True, _bool, doc="""
         Where a one-token query meets KV heads repeated for grouped-query attention (`repeat_kv`),
@@ -495,6 +495,14 @@ class Rewrites(_Group):
         several sizes keep the three apart. Results agree with the unfused graph's to rounding
         (the norm's sum runs in another order). Inductor pieces only; see
         `cgcompile.parallel.all_reduce_norm`.""")
+    dtensor_spec_guards: str = option("cgcompile", _choice("cgcompile", "dynamo"), doc="""
+        Who checks the DTensor specs (mesh, placements) of a graph's DTensor parameters at every
+        call. "cgcompile": the graph's runtime compares them (by identity while the spec objects
+        stay, a few microseconds for hundreds of parameters), and Dynamo's own spec guards on
+        those parameters, a Python call each at every call, are taken out of the frame's guards;
+        a resharded parameter then raises `CGCompileError` instead of compiling again.
+        "dynamo": keep Dynamo's guards, so that resharding compiles again. See
+        `cgcompile.parallel.dtensor_guards`.""")
 
 
 @_group

@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..run.device_scalars import DeviceScalarBuffer
 from ..run.full_graph import FullGraph, plain_function
 from ..run.graph_piece import CompiledPiece, CudaGraphPiece, PaddedPiece, piece_layout
-from ..parallel.dtensor_guards import ParameterSpecs, parameter_specs
+from ..parallel.dtensor_guards import ParameterSpecs, drop_checked_spec_guards, parameter_specs
 from ..parallel.fast_all_reduce import route_graph_all_reduces
 from ..passes import (
     CaptureDim,
@@ -517,11 +517,19 @@ def address_watch(build: GraphBuild, gm: torch.fx.GraphModule, split: SplitGraph
                         tuple(wrapped))
 
 
-def dtensor_specs(build: GraphBuild, gm: torch.fx.GraphModule, example_inputs: list) -> ParameterSpecs | None:
-    """The specs of the graph's DTensor parameters, checked at every call, so that Dynamo's
-    per-parameter spec guards may be dropped (`parallel.dtensor_guards`); None without any."""
+def dtensor_specs(build: GraphBuild, gm: torch.fx.GraphModule, example_inputs: list,
+                  sources: list) -> ParameterSpecs | None:
+    """The specs of the graph's DTensor parameters, checked at every call; None without any.
+    Under Config.dtensor_spec_guards="cgcompile" Dynamo's spec guards of those parameters
+    are dropped from the frame (`parallel.dtensor_guards`). `sources`: each input's Dynamo
+    source, read before any rewrite."""
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return parameter_specs(f"graph{build.index}", names, example_inputs)
+    specs = parameter_specs(f"graph{build.index}", names, example_inputs)
+    if specs is not None and build.config.rewrites.dtensor_spec_guards == "cgcompile":
+        dropped = drop_checked_spec_guards(specs, sources)
+        log.debug("graph%d: %d of Dynamo's DTensor spec guards dropped, %d parameters checked at every call",
+                  build.index, dropped, len(specs.indices))
+    return specs
 
 
 def piece_recovery(build: GraphBuild, split: SplitGraph, records: PieceRecords,

@@ -4,20 +4,24 @@ A model whose parameters are DTensor shards (transformers' `tp_plan="auto"`, tor
 `parallelize_module`) makes Dynamo check every parameter's DTensor spec (mesh, placements,
 dtype) at every call, in a Python guard each (`DTENSOR_SPEC_MATCH`): several microseconds a
 parameter, paid for hundreds of parameters by a step that is otherwise one CUDA graph
-replay. `without_parameter_spec_guards` is a Dynamo guard filter that drops those guards
-on parameters only:
+replay.
 
-    from cgcompile.parallel.dtensor_guards import without_parameter_spec_guards
+So every graph with DTensor parameter inputs gets a `ParameterSpecs`, which the runtime
+runs first at every call. It compares each parameter's spec with the one the graph was
+compiled for: by identity, all in C (`map(operator.is_, ...)`), while the spec objects
+stay; else by Dynamo's own equality, once per new object. By default
+(`Config.dtensor_spec_guards="cgcompile"`) the backend then takes Dynamo's spec guards of
+exactly those parameters out of the frame's guards (`drop_checked_spec_guards`), before
+Dynamo builds them: a spec that differs then raises `CGCompileError`, as Dynamo would not
+compile the graph again and the call would run code traced for other placements.
+`dtensor_spec_guards="dynamo"` keeps Dynamo's guards, so that a resharded parameter
+compiles again (and the check here never fires).
+
+`without_parameter_spec_guards` is the same drop as a Dynamo guard filter, for backends
+that keep Dynamo's guards:
+
     forward = torch.compile(model.forward, backend=backend,
                             options={"guard_filter_fn": without_parameter_spec_guards})
-
-The check stays: every graph with DTensor parameter inputs gets a `ParameterSpecs`, which
-the runtime runs first at every call. It compares each parameter's spec with the one the
-graph was compiled for: by identity, all in C (`map(operator.is_, ...)`), while the spec
-objects stay; else by Dynamo's own equality, once per new object. A spec that differs
-raises `CGCompileError`: without its guard Dynamo would not compile the graph again, and
-the call would run code traced for other placements. (With Dynamo's guards kept, a
-changed spec recompiles before this runs, so it never fires.)
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from .. import compat
 from ..errors import CGCompileError, expected
 
 SPEC_GUARD = "DTENSOR_SPEC_MATCH"
@@ -62,8 +67,10 @@ class ParameterSpecs:
                 raise CGCompileError(expected(
                     f"cgcompile: {self.graph}: the DTensor parameter {self.names[k]!r}",
                     f"the spec its graph was compiled for ({compiled})", str(spec),
-                    "Dynamo's spec guard was dropped (guard_filter_fn=without_parameter_spec_guards), so it did "
-                    "not compile again; compile without that filter where parameters are resharded", raw=True))
+                    "Dynamo's spec guard was dropped (cgcompile checks the spec instead), so it did not "
+                    "compile again; where parameters are resharded, compile with "
+                    "Config(dtensor_spec_guards='dynamo') and without guard_filter_fn=without_parameter_spec_guards",
+                    raw=True))
         self._specs = specs  # equal specs in new objects: compared by identity from now on
 
 
@@ -77,3 +84,19 @@ def parameter_specs(graph: str, names: Sequence[str], example_inputs: Sequence) 
     if not found:
         return None
     return ParameterSpecs(graph, found, [names[i] for i in found], example_inputs)
+
+
+def drop_checked_spec_guards(specs: ParameterSpecs, sources: Sequence) -> int:
+    """Take Dynamo's spec guards of the parameters `specs` checks out of the frame being
+    compiled (a backend only, see `compat.drop_frame_guards`); how many. `sources`: each
+    graph input's Dynamo source (`compat.graph_input_sources`). A guard on a DTensor that is
+    not one of those inputs (an activation, a parameter read only for its metadata, a tied
+    parameter's second name) stays."""
+    checked = {sources[i].name for i in specs.indices if i < len(sources) and sources[i] is not None}
+
+    def is_checked_spec_guard(guard) -> bool:
+        source = guard.originating_source
+        return (guard.inner_create_fn().__name__ == SPEC_GUARD and getattr(source, "member", None) == "_spec"
+                and getattr(getattr(source, "base", None), "name", None) in checked)
+
+    return compat.drop_frame_guards(is_checked_spec_guard) if checked else 0

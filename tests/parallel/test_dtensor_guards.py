@@ -1,5 +1,5 @@
-"""Dynamo's DTensor spec guards on parameters dropped, and cgcompile's own check of the specs
-at every call (one gloo rank on CPU)."""
+"""Dynamo's DTensor spec guards on parameters dropped (by the backend, or by a guard filter),
+and cgcompile's own check of the specs at every call (one gloo rank on CPU)."""
 
 import dataclasses
 
@@ -47,10 +47,68 @@ def test_the_filter_drops_only_the_spec_guards_of_parameters():
     assert without_parameter_spec_guards(entries) == [False, True, True, True]
 
 
-def compiled(model, filtered: bool):
-    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
-    options = {"guard_filter_fn": without_parameter_spec_guards} if filtered else None
+def compiled(model, filtered: bool, spec_guards: str = "cgcompile", record=None):
+    """(forward, backend); `record`, a list, receives the guards Dynamo builds the frame's check from."""
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager", dtensor_spec_guards=spec_guards))
+    if record is not None:
+        def guard_filter(entries):
+            record.extend(entries)
+            return without_parameter_spec_guards(entries) if filtered else [True] * len(entries)
+        options = {"guard_filter_fn": guard_filter}
+    else:
+        options = {"guard_filter_fn": without_parameter_spec_guards} if filtered else None
     return torch.compile(model, backend=backend, options=options), backend
+
+
+def spec_guards(entries) -> list[str]:
+    return [entry.name for entry in entries if entry.guard_type == "DTENSOR_SPEC_MATCH"]
+
+
+@pytest.mark.parametrize("spec_guards_by", ["cgcompile", "dynamo"])
+def test_the_backend_drops_dynamos_spec_guards_of_the_parameters_it_checks(mesh, spec_guards_by):
+    entries = []
+    forward, backend = compiled(Sharded(mesh), filtered=False, spec_guards=spec_guards_by, record=entries)
+    with torch.no_grad():
+        forward(torch.randn(3, 8))
+    assert backend.runtimes[0].specs is not None  # checked by cgcompile either way
+    kept = spec_guards(entries)
+    if spec_guards_by == "cgcompile":
+        assert kept == []
+    else:
+        assert len(kept) == 1 and "_parameters['w']" in kept[0]
+
+
+class ReadsPlacements(torch.nn.Module):
+    """`w` feeds the graph; `v` is only looked at (its placements pick the branch), so it is
+    no input of the graph and its spec guard is Dynamo's alone."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        self.w = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]), requires_grad=False)
+        self.v = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(0)]), requires_grad=False)
+
+    def forward(self, x):
+        y = x @ self.w.to_local()
+        return y * 2 if self.v.placements[0].is_shard() else y - 1
+
+
+def test_a_spec_guard_of_a_parameter_that_is_no_graph_input_stays(mesh):
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model, entries = ReadsPlacements(mesh), []
+    forward, backend = compiled(model, filtered=False, record=entries)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), model(x))
+        assert backend.runtimes[0].specs.names == ("l_self_parameters_w_",)
+        assert [name for name in spec_guards(entries) if "_parameters['v']" in name]
+        assert not [name for name in spec_guards(entries) if "_parameters['w']" in name]
+        model.v = torch.nn.Parameter(distribute_tensor(model.v.full_tensor(), mesh, [Replicate()]),
+                                     requires_grad=False)
+        torch.testing.assert_close(forward(x), model(x))  # the other branch: Dynamo compiled it
+    assert backend.stats.graphs_seen == 2
 
 
 @pytest.mark.parametrize("filtered", [False, True], ids=["guarded", "filtered"])
@@ -71,13 +129,13 @@ def test_equal_specs_in_new_objects_run_on(mesh, filtered):
     assert backend.runtimes[0].specs is not None and backend.runtimes[0].specs.names == ("l_self_parameters_w_",)
 
 
-def _resharded_after_a_call(mesh, filtered: bool):
+def _resharded_after_a_call(mesh, filtered: bool, spec_guards: str = "cgcompile"):
     """(model, forward, backend, x): a call compiled, then the parameter replaced by a replicated one."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     torch.manual_seed(0)
     model = Sharded(mesh)
-    forward, backend = compiled(model, filtered)
+    forward, backend = compiled(model, filtered, spec_guards)
     x = torch.randn(3, 8)
     with torch.no_grad():
         forward(x)
@@ -85,16 +143,17 @@ def _resharded_after_a_call(mesh, filtered: bool):
     return model, forward, backend, x
 
 
-def test_a_resharded_parameter_raises_where_dynamo_no_longer_checks(mesh):
-    _, forward, _, x = _resharded_after_a_call(mesh, filtered=True)
+@pytest.mark.parametrize("filtered", [False, True], ids=["default", "filtered"])
+def test_a_resharded_parameter_raises_where_dynamo_no_longer_checks(mesh, filtered):
+    _, forward, _, x = _resharded_after_a_call(mesh, filtered)
     with torch.no_grad():
         with pytest.raises(cgcompile.CGCompileError, match=r"l_self_parameters_w_.*expected the spec its graph was "
-                                                             r"compiled for .*compile without that filter"):
+                                                             r"compiled for .*dtensor_spec_guards='dynamo'"):
             forward(x)
 
 
 def test_with_dynamos_guards_a_resharded_parameter_compiles_again(mesh):
-    model, forward, backend, x = _resharded_after_a_call(mesh, filtered=False)
+    model, forward, backend, x = _resharded_after_a_call(mesh, filtered=False, spec_guards="dynamo")
     with torch.no_grad():
         torch.testing.assert_close(forward(x), model(x))
     assert backend.stats.graphs_seen == 2
