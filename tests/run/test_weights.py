@@ -184,3 +184,31 @@ def test_a_dtensor_parameter_is_watched_by_its_local_shard(monkeypatch):
         assert backend.stats.parameter_recaptures == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_wrapped_addresses_read_shards_in_one_pass_and_walk_anything_else():
+    """Inputs that all wrap one tensor at one path (DTensor shards) are read together; a slot
+    that later holds another kind of wrapper is walked in full, so its addresses are still read."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from cgcompile.run.weights import WrappedAddresses
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        shards = [distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]) for _ in range(3)]
+        args = [torch.zeros(2), *shards]
+        reader = WrappedAddresses([1, 2, 3], args)
+        local = [s._local_tensor.data_ptr() for s in shards]
+        assert reader._shared is not None and reader.read(args) == local
+        two = TwoTensor(torch.zeros(4, 4), torch.ones(4, 4))
+        swapped = [args[0], shards[0], two, shards[2]]
+        assert reader.read(swapped) == [local[0], two.a.data_ptr(), two.b.data_ptr(), local[2]]
+        mixed = WrappedAddresses([1, 2], [args[0], shards[0], two])
+        assert mixed._shared is None and mixed.read([args[0], shards[0], two]) == [
+            local[0], two.a.data_ptr(), two.b.data_ptr()]
+    finally:
+        dist.destroy_process_group()
