@@ -59,6 +59,7 @@ import logging
 
 import torch
 
+from ..kernels.skinny_linear import dependent_launch
 from .all_reduce_choice import ALIGNMENT, LAMPORT_MAX_BYTES
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ class _LamportSlots:
                            "SLOT": layout.slot_numel, self.BLOCK_NAME: layout.block,
                            "VEC": ALIGNMENT // layout.element_size, "BITS": _triton_int(bits_dtype),
                            "SENTINEL": sentinel, "num_warps": NUM_WARPS}
+        pdl = dependent_launch(buffer.device)  # a compile option too: warmup and launch must agree
+        self._constants.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
 
     @classmethod
     def allocate(cls, group_name: str, dtype: torch.dtype, rank: int, world_size: int, device: torch.device):

@@ -4,7 +4,11 @@
 
 Both kernels run the same three steps per program (CTA): publish the program's elements
 into every peer's slot, gather and sum the peers' elements as they arrive, reset the own
-slots and step the program's phase. Buffers are read and written as integer bit patterns
+slots and step the program's phase. With `PDL` (programmatic dependent launch, Hopper and
+later; the launch sets `launch_pdl`) a kernel may be launched while the one before it on
+the stream still runs: it waits for it (`gdc_wait`) before its first memory access, and
+lets the next kernel launch (`gdc_launch_dependents`) once the peers' elements are summed,
+so the launches around an all-reduce no longer leave the GPU idle between kernels. Buffers are read and written as integer bit patterns
 (`BITS`: int16 for bf16, int32 for fp32), so that the sentinel test compares bits:
 -0.0 == +0.0 as floats, and the sentinel is -0.0's bit pattern.
 """
@@ -28,12 +32,17 @@ def lamport_all_reduce_kernel(
     VEC: tl.constexpr,  # elements per 16 bytes
     BITS: tl.constexpr,  # the integer type of the element's width
     SENTINEL: tl.constexpr,  # -0.0's bit pattern as a signed integer of BITS
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] this program's elements of the message
     mask = offs < vectors * VEC  # constant over each 16-byte vector: the accesses vectorize
     phase = tl.load(phase_ptr + pid)
     acc = _exchange(x_ptr, offs, offs, mask, phase, peers_ptr, RANK, WORLD, SLOT, BITS, SENTINEL)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     _finish(peers_ptr, phase_ptr, pid, phase, offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL)
 
@@ -57,7 +66,10 @@ def lamport_add_rms_norm_kernel(
     VEC: tl.constexpr,
     BITS: tl.constexpr,
     SENTINEL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)  # one program a row: the norm reads the whole row
     cols = tl.arange(0, ROW)
     hidden = vectors * VEC
@@ -66,6 +78,8 @@ def lamport_add_rms_norm_kernel(
     slot_offs = row * ROW + cols  # the row's part of a slot: the same elements at every hidden size
     phase = tl.load(phase_ptr + row)
     total = _exchange(x_ptr, offs, slot_offs, mask, phase, peers_ptr, RANK, WORLD, SLOT, BITS, SENTINEL)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
     # What the unfused graph computes, rounding included: the all-reduce's result and the sum
     # with the residual in the input's dtype, the norm in fp32, its result cast back before the

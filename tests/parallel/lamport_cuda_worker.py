@@ -56,6 +56,9 @@ def lamport_chosen(device):
     choice = setup_all_reduce(device)
     assert choice.lamport, f"expected the Lamport kernel on 2 GPUs of one host with triton, got {choice}"
     assert set(GROUPS.get(group_name()).lamport) == set(choice.dtypes)
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    for buffer in GROUPS.get(group_name()).lamport.values():  # every test below runs launched so
+        assert buffer._constants["PDL"] == hopper and buffer._constants.get("launch_pdl", False) == hopper
     return "lamport chosen"
 
 
