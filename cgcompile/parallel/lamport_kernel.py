@@ -4,13 +4,16 @@
 
 Both kernels run the same three steps per program (CTA): publish the program's elements
 into every peer's slot, gather and sum the peers' elements as they arrive, reset the own
-slots and step the program's phase. With `PDL` (programmatic dependent launch, Hopper and
-later; the launch sets `launch_pdl`) a kernel may be launched while the one before it on
-the stream still runs: it waits for it (`gdc_wait`) before its first memory access, and
-lets the next kernel launch (`gdc_launch_dependents`) once the peers' elements are summed,
-so the launches around an all-reduce no longer leave the GPU idle between kernels. Buffers are read and written as integer bit patterns
+slots and step the program's phase. Buffers are read and written as integer bit patterns
 (`BITS`: int16 for bf16, int32 for fp32), so that the sentinel test compares bits:
 -0.0 == +0.0 as floats, and the sentinel is -0.0's bit pattern.
+
+With `PDL` (programmatic dependent launch, Hopper and later; the launch sets `launch_pdl`)
+a kernel may be launched while the one before it on the stream still runs: it waits for
+that one to finish (`gdc_wait`) before its first memory access, so it orders exactly as a
+plain launch does, and it lets the next kernel launch (`gdc_launch_dependents`) once the
+peers' elements are summed. Without it each all-reduce broke the chain of dependent
+launches the step's other kernels keep, with a launch gap on either side.
 """
 
 import triton
