@@ -232,18 +232,22 @@ def graph_input_sources(gm: torch.fx.GraphModule) -> list:
     return [getattr(n.meta.get("grapharg"), "source", None) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def drop_frame_guards(drop) -> int:
+def drop_frame_guards(drop) -> int | None:
     """Remove the guards `drop(guard)` picks from those Dynamo will build the check of the
-    frame being compiled from; how many. Only a backend may call this: Dynamo calls it
-    before it builds that check, in the tracing context that holds the guards."""
+    frame being compiled from; how many, or None where no frame is being compiled (a
+    backend called outside Dynamo). Only a backend may call this: Dynamo calls it before it
+    builds that check, in the tracing context that holds the guards. Where this torch keeps
+    them elsewhere, nothing is removed (0): Dynamo keeps checking."""
     from collections import defaultdict
 
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
     if context is None:
+        return None
+    guards = _frame_guard_set(context)
+    if guards is None:
         return 0
-    guards = context.guards_context.dynamo_guards
     kept = [guard for guard in guards.inner if not drop(guard)]
     dropped = len(guards.inner) - len(kept)
     if dropped:
@@ -253,3 +257,10 @@ def drop_frame_guards(drop) -> int:
             for guard in kept:
                 guards.track_guard_by_source(guard)
     return dropped
+
+
+def _frame_guard_set(context):
+    """The guard set (`torch._guards.GuardsSet`) a tracing context holds for the frame being
+    compiled, or None where this torch keeps its guards otherwise."""
+    guards = getattr(getattr(context, "guards_context", None), "dynamo_guards", None)
+    return guards if hasattr(guards, "inner") else None

@@ -529,6 +529,8 @@ def dtensor_specs(build: GraphBuild, gm: torch.fx.GraphModule, example_inputs: l
         dropped = drop_checked_spec_guards(specs, sources)
         log.debug("graph%d: %d of Dynamo's DTensor spec guards dropped, %d parameters checked at every call",
                   build.index, dropped, len(specs.indices))
+        if dropped == 0:  # under Dynamo, yet nothing found to drop
+            _warn_spec_guards_kept()
     return specs
 
 
@@ -564,6 +566,16 @@ def _statically_contiguous(value) -> bool:
             return False
         expected *= size
     return True
+
+
+@functools.cache
+def _warn_spec_guards_kept() -> None:
+    """Once per process: the spec guards could not be taken out (this torch keeps or names a
+    frame's guards otherwise than cgcompile expects), so both Dynamo and cgcompile check the
+    specs."""
+    log.warning("cgcompile: Dynamo's DTensor spec guards of a graph's parameters could not be dropped on this "
+                "torch, so Dynamo keeps checking them at every call (correct, more host time per call). "
+                "Config(dtensor_spec_guards='dynamo') silences this.")
 
 
 @functools.cache

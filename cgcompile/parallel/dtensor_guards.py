@@ -86,9 +86,10 @@ def parameter_specs(graph: str, names: Sequence[str], example_inputs: Sequence) 
     return ParameterSpecs(graph, found, [names[i] for i in found], example_inputs)
 
 
-def drop_checked_spec_guards(specs: ParameterSpecs, sources: Sequence) -> int:
+def drop_checked_spec_guards(specs: ParameterSpecs, sources: Sequence) -> int | None:
     """Take Dynamo's spec guards of the parameters `specs` checks out of the frame being
-    compiled (a backend only, see `compat.drop_frame_guards`); how many. `sources`: each
+    compiled (a backend only, see `compat.drop_frame_guards`); how many, None outside
+    Dynamo. `sources`: each
     graph input's Dynamo source (`compat.graph_input_sources`). A guard on a DTensor that is
     not one of those inputs (an activation, a parameter read only for its metadata, a tied
     parameter's second name) stays."""
@@ -99,4 +100,4 @@ def drop_checked_spec_guards(specs: ParameterSpecs, sources: Sequence) -> int:
         return (guard.inner_create_fn().__name__ == SPEC_GUARD and getattr(source, "member", None) == "_spec"
                 and getattr(getattr(source, "base", None), "name", None) in checked)
 
-    return compat.drop_frame_guards(is_checked_spec_guard) if checked else 0
+    return compat.drop_frame_guards(is_checked_spec_guard if checked else lambda guard: False)

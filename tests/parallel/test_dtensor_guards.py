@@ -157,3 +157,36 @@ def test_with_dynamos_guards_a_resharded_parameter_compiles_again(mesh):
     with torch.no_grad():
         torch.testing.assert_close(forward(x), model(x))
     assert backend.stats.graphs_seen == 2
+
+
+def test_where_the_guards_cannot_be_reached_dynamo_keeps_them_and_a_warning_says_so(mesh, monkeypatch, caplog):
+    """A torch that keeps a frame's guards elsewhere: nothing is dropped, the call is still
+    right and still checked, and the log says why the host time did not drop."""
+    from cgcompile import compat
+    from cgcompile.build import phases
+
+    monkeypatch.setattr(compat, "_frame_guard_set", lambda context: None)
+    phases._warn_spec_guards_kept.cache_clear()
+    model, entries = Sharded(mesh), []
+    forward, backend = compiled(model, filtered=False, record=entries)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="cgcompile.build.phases"):
+        torch.testing.assert_close(forward(x), model(x))
+    assert len(spec_guards(entries)) == 1 and backend.runtimes[0].specs is not None
+    assert "could not be dropped" in caplog.text
+
+
+def test_outside_dynamo_the_backend_checks_the_specs_and_drops_nothing(mesh, caplog):
+    """The backend called on a graph directly (no frame being compiled): no guards to drop,
+    and no warning that they could not be."""
+    from cgcompile.build import phases
+
+    phases._warn_spec_guards_kept.cache_clear()
+    model = Sharded(mesh)
+    gm = torch.fx.symbolic_trace(lambda x, w: torch.relu(x @ w.to_local()))
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    x = torch.randn(3, 8)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="cgcompile.build.phases"):
+        run = backend(gm, [x, model.w])
+        torch.testing.assert_close(run(x, model.w), model(x))
+    assert backend.runtimes[0].specs is not None and "could not be dropped" not in caplog.text
