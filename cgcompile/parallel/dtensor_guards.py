@@ -13,7 +13,8 @@ stay; else by Dynamo's own equality, once per new object. By default
 (`Config.dtensor_spec_guards="cgcompile"`) the backend then takes Dynamo's spec guards of
 exactly those parameters out of the frame's guards (`drop_checked_spec_guards`), before
 Dynamo builds them: a spec that differs then raises `CGCompileError`, as Dynamo would not
-compile the graph again and the call would run code traced for other placements.
+compile the graph again and the call would run code traced for other placements. (On a
+torch whose guard set cannot be reached, nothing is dropped, and a warning says so once.)
 `dtensor_spec_guards="dynamo"` keeps Dynamo's guards, so that a resharded parameter
 compiles again (and the check here never fires).
 
