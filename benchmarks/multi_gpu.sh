@@ -29,6 +29,9 @@
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
 #   hf_check_n2    the same at a small shape in fp32: tokens match eager
+#   tp_kernels_n2, tp_kernels_n4 (N=4), tp_kernels_70b_n4 (N=4)  the `TensorParallelDecoder` full graph's
+#                  step (small-query attention, batch 1) by kernel class on every rank, against the
+#                  rank's floor, with the GPU's idle time between kernels (tp_profile.py --classes)
 #   tp_8b_n2_nccl  the TP=2 step with Config.all_reduce="nccl"
 #   hf_tp_n4, tp_8b_n4_nccl   (N=4) the tp_plan benchmark at TP=4; the TP=4 step on NCCL
 #   pp_8b_n2       8B pipeline, 2 stages, each micro-batch the batch one GPU runs best (of
@@ -131,7 +134,13 @@ step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benc
     --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
 step tp_8b_n2_nccl && run tp_8b_n2_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \
     --json "$OUT/tp_8b_n2_nccl.json"
+step tp_kernels_n2 && run tp_kernels_n2 200 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/tp_profile.py \
+    --model 8b --batch 1 --variant full-sq --classes
 if ((N >= 4)); then
+  step tp_kernels_n4 && run tp_kernels_n4 200 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/tp_profile.py \
+      --model 8b --batch 1 --variant full-sq --classes
+  step tp_kernels_70b_n4 && run tp_kernels_70b_n4 240 "${TORCHRUN[@]}" --nproc-per-node 4 benchmarks/tp_profile.py \
+      --model 70b --batch 1 --variant full-sq --classes
   step hf_tp_n4 && run hf_tp_n4 300 "${TORCHRUN[@]}" --nproc-per-node 4 "${HF[@]}" --json "$OUT/hf_tp_n4.json"
   step tp_8b_n4_nccl && run tp_8b_n4_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce nccl \
       --json "$OUT/tp_8b_n4_nccl.json"
@@ -147,6 +156,7 @@ for name in "${ORDER[@]}"; do
   case $name in
     tests) grep -h "passed\|failed" "$log" | tail -n 1 ;;
     all_reduce) sed -n '/^group choice/,$p' "$log" | head -n 12 ;;
+    tp_kernels_*) grep -h -A 8 "^per step" "$log" ;;
     tp_*) grep -h "batch\|device_copy_gbs" "$log" | grep -v '^{"model' | tail -n 8 ;;
     pp_*|tppp_*) grep -h "tok/s" "$log" | tail -n 4 ;;
     hf_profile_*) grep -h "== replay" "$log"; grep -h -A 14 "== profile" "$log" | cut -c1-160 ;;

@@ -13,8 +13,9 @@ the GPU time into classes, each with the bytes it must move per step where that 
                 inside a full graph nothing runs on the host): the KV cache read per step
     copy        memcpy/memset and copy kernels (graph input copies, output clones)
     collective  all-reduces and other collectives (NCCL's kernels, symmetric memory's
-                one- and two-shot kernels): on several GPUs, their time includes waiting
-                for the slowest rank
+                one- and two-shot kernels, cgcompile's Lamport kernels, the one fused with
+                the residual add and RMS norm included): on several GPUs, their time
+                includes waiting for the slowest rank
     elementwise everything else (norms, activations, rotary, fused Triton pointwise)
 
 and the gaps between consecutive kernels, by what launched the kernels on either side
@@ -35,7 +36,8 @@ ATTENTION = re.compile(r"flash|fmha|attention|sdpa|combine_splits", re.I)  # com
 MATVEC = re.compile(r"^triton_(red|per)_fused\w*(mul\w*_sum|sum\w*_mul)")  # a product written as a reduction
 COPY = re.compile(r"copy|memcpy|memset|fill", re.I)
 DTYPE_CAST = "_to_copy"  # in Inductor's kernel names a dtype conversion, not a copy kernel
-COLLECTIVE = re.compile(r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter|one_shot|two_shot", re.I)
+COLLECTIVE = re.compile(r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter|one_shot|two_shot|lamport",
+                        re.I)  # lamport: cgcompile's all-reduce kernels, the one fused with the add and norm too
 GRAPH_LAUNCH = "cudaGraphLaunch"
 
 

@@ -2,13 +2,14 @@
 
     torchrun --nproc-per-node 2 benchmarks/tp_profile.py [--model 8b] [--batch 1] [--variant full-sq]
 
-Builds `TensorParallelDecoder` as `distributed_bench.py` does, compiles it with the
+Builds `TensorParallelDecoder` as `distributed_bench.py` does (the 70b class shard by shard), compiles it with the
 variant's Config, warms it up, then runs `--steps` decode steps under torch.profiler.
 Each rank prints its step time (CUDA events), the sum of kernel time per step, the
 largest kernels by total time with their count per step, and the all-reduce decisions
 (`all_reduce_report`). Kernel time far below the step time means the step waits on the
 host or on the other rank; an all-reduce kernel that takes long is mostly waiting for
-the slower rank to arrive.
+the slower rank to arrive. `--classes` adds the step by kernel class against the rank's
+weight-bytes floor, and the GPU's idle time between kernels (`step_kernels.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def parse_args():
     p.add_argument("--no-skinny", action="store_true", help="Config(skinny_linears=False)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--classes", action="store_true",
+                   help="also the step by kernel class beside the rank's floor, and the idle time between kernels")
     return p.parse_args()
 
 
@@ -63,14 +66,36 @@ def kernel_table(prof, steps: int, top: int) -> list[str]:
     return lines
 
 
+def class_table(prof, steps: int, model, device) -> list[str]:
+    """The profiled steps by kernel class (`step_kernels.classify`), matrix products against
+    the rank's weight bytes. Inside a full graph nothing runs on the host, so attention is
+    found by its kernels' names."""
+    import json
+    import tempfile
+
+    from benchmarks import step_kernels
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace_file:
+            trace = json.load(trace_file)
+    peak, nbytes = harness.measure_peak_bandwidth(device), bench.weight_bytes(model)
+    breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"), {"gemm": nbytes}, peak)
+    return step_kernels.format_breakdown(breakdown, harness.floor_ms(nbytes, peak), peak).splitlines()
+
+
 def main():
     args = parse_args()
     bench.ALL_REDUCE, bench.FUSE_NORM, bench.SKINNY = args.all_reduce, not args.no_fuse_norm, not args.no_skinny
     with torchrun_worker("cuda") as device, torch.inference_mode():
         use_length_independent_attention_kernels()
-        llama = bench.build_llama(bench.CONFIGS[args.model], device, torch.bfloat16)
-        model = TensorParallelDecoder(llama)
-        del llama
+        cfg = bench.CONFIGS[args.model]
+        if args.model in bench.SHARD_ONLY:  # no rank holds the whole model: each builds its shard
+            model = bench.build_shard(cfg, device, torch.bfloat16)
+        else:
+            llama = bench.build_llama(cfg, device, torch.bfloat16)
+            model = TensorParallelDecoder(llama)
+            del llama
         prepare_collectives(device, all_reduce=args.all_reduce)
         step, device_position = compiled_step(model, device, args.variant)
         ids = torch.arange(args.batch, device=device) % 100
@@ -78,13 +103,18 @@ def main():
         if device_position:
             starts = [torch.tensor([s], device=device) for s in starts]
         ms = harness.time_steps(lambda k: step(ids, starts[k]), 20, 5, device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        if args.classes:  # the launches too: step_kernels tells graph replays from eager launches by them
+            activities.append(torch.profiler.ProfilerActivity.CPU)
+        with torch.profiler.profile(activities=activities) as prof:
             for k in range(args.steps):
                 step(ids, starts[20 + k])
             torch.cuda.synchronize()
         lines = [f"rank {dist.get_rank()} {args.model} batch {args.batch} {args.variant} "
                  f"all_reduce={args.all_reduce} fuse_norm={bench.FUSE_NORM}: step {statistics.median(ms):.3f} ms"]
         lines += kernel_table(prof, args.steps, args.top)
+        if args.classes:
+            lines += class_table(prof, args.steps, model, device)
         if dist.get_rank() == 0:
             report = all_reduce_report()
             lines += report.lines()[:4] + [line for line in report.lines() if line.startswith("all-reduce calls")]

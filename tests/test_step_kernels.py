@@ -66,17 +66,20 @@ def test_attention_kernels_inside_a_graph_are_attention_by_name():
 
 
 def test_collective_kernels_are_their_own_class():
-    # NCCL's and symmetric memory's all-reduce kernels: neither a matmul nor elementwise work.
+    # NCCL's, symmetric memory's and cgcompile's all-reduce kernels (the Lamport one fused with
+    # the residual add and RMS norm too): neither a matmul nor elementwise work.
     trace = {"traceEvents": [
         _launch("cudaGraphLaunch", 0, 1),
         _kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 10, 20, 1),
         _kernel("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>", 40, 7, 1),
         _kernel("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", 60, 25, 1),
         _kernel("triton_red_fused_add_mean_mul_pow_rsqrt_0", 90, 3, 1),
+        _kernel("lamport_all_reduce_kernel", 100, 2, 1),
+        _kernel("lamport_add_rms_norm_kernel", 110, 4, 1),
     ]}
     b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
     assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {
-        "collective": 0.027, "gemm": 0.025, "elementwise": 0.003}
+        "collective": 0.033, "gemm": 0.025, "elementwise": 0.003}
 
 
 def test_products_written_as_reductions_are_matmuls_and_dtype_casts_are_not_copies():
