@@ -11,6 +11,15 @@ first call's outputs, so no graph runs. Three variants of one stack of MLP block
                    guards (a measurement only: nothing checks the specs then)
 
     python benchmarks/dtensor_guards.py --layers 8,32          # CPU, gloo, one rank
+
+`--hf` times a transformers Llama's decode call the same way (a tiny shape, `--layers`
+decoder layers, a `StaticCache`), loaded whole and with `tp_plan="auto"` over 2 gloo ranks
+(transformers shards nothing on one), rank 0 printing. The DTensor model's variants drop
+the spec guards (as cgcompile's default does), and then also Dynamo's guards on torch.nn's
+own modules (`torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe`: unsound where the
+program changes such a module's attributes); the whole model gets that filter too:
+
+    torchrun --nproc-per-node 2 benchmarks/dtensor_guards.py --hf --layers 8,16
 """
 
 from __future__ import annotations
@@ -47,6 +56,11 @@ def without_dtensor_spec_guards(entries) -> list[bool]:
     return [entry.guard_type != "DTENSOR_SPEC_MATCH" for entry in entries]
 
 
+def without_spec_and_inbuilt_module_guards(entries) -> list[bool]:
+    keep_modules = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe(entries)
+    return [keep and spec for keep, spec in zip(keep_modules, without_dtensor_spec_guards(entries))]
+
+
 def us_per_call(model: torch.nn.Module, guard_filter, calls: int) -> float:
     torch._dynamo.reset()
     options = {"guard_filter_fn": guard_filter} if guard_filter else None
@@ -64,11 +78,82 @@ def us_per_call(model: torch.nn.Module, guard_filter, calls: int) -> float:
     return statistics.median(runs)
 
 
+def hf_us_per_call(model, guard_filter, calls: int) -> float:
+    """Host us of one decode call of a transformers model (the guards and the frame: the
+    backend replays the first call's outputs), timed on rank 0 while the others wait (the
+    first call runs the graph, collectives and all, on every rank)."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    options = {"guard_filter_fn": guard_filter} if guard_filter else None
+    forward = torch.compile(model.forward, backend=replay_first_outputs, options=options)
+    cache = StaticCache(config=model.config, max_cache_len=64)
+    token, position = torch.ones(1, 1, dtype=torch.long), torch.tensor([8])
+
+    def call():
+        return forward(input_ids=token, past_key_values=cache, cache_position=position, logits_to_keep=1)
+
+    runs = []
+    with torch.no_grad():
+        for _ in range(5):
+            call()
+        for _ in range(5 if dist.get_rank() == 0 else 0):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            runs.append((time.perf_counter() - start) / calls * 1e6)
+    dist.barrier()
+    return statistics.median(runs) if runs else float("nan")
+
+
+def hf_llama(layers: int, tp_plan: bool):
+    """A tiny random Llama of `layers` decoder layers, saved by rank 0 and loaded by every rank."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    folder = os.path.join(tempfile.gettempdir(), f"cgcompile-dtensor-guards-{layers}l")
+    if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).save_pretrained(folder)
+    dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(folder, **({"tp_plan": "auto"} if tp_plan else {})).eval()
+
+
+def hf_rows(layer_counts, calls: int) -> None:
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(f"{'layers':>6} {'whole us':>9} {'whole, nn guards skipped':>25} {'tp_plan us':>11} "
+              f"{'tp_plan, spec dropped':>22} {'tp_plan, spec dropped, nn guards skipped':>41}")
+    for layers in layer_counts:
+        whole = hf_llama(layers, tp_plan=False)
+        plain = hf_us_per_call(whole, None, calls)
+        plain_skipped = hf_us_per_call(whole, torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe, calls)
+        del whole
+        sharded = hf_llama(layers, tp_plan=True)
+        dtensor = hf_us_per_call(sharded, None, calls)
+        nospec = hf_us_per_call(sharded, without_dtensor_spec_guards, calls)
+        neither = hf_us_per_call(sharded, without_spec_and_inbuilt_module_guards, calls)
+        if rank0:
+            print(f"{layers:>6} {plain:>9.1f} {plain_skipped:>25.1f} {dtensor:>11.1f} {nospec:>22.1f} {neither:>41.1f}",
+                  flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", default="8,32", help="MLP blocks (two linears each), comma-separated")
+    p.add_argument("--layers", default="8,32", help="MLP blocks (two linears each), comma-separated; with --hf, "
+                   "decoder layers")
     p.add_argument("--calls", type=int, default=300, help="calls per timed run (median of 5 runs)")
+    p.add_argument("--hf", action="store_true", help="a transformers Llama, whole and tp_plan='auto' (torchrun, 2 ranks)")
     args = p.parse_args()
+    if args.hf:
+        dist.init_process_group("gloo")
+        try:
+            hf_rows([int(n) for n in args.layers.split(",")], args.calls)
+        finally:
+            dist.destroy_process_group()
+        return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -81,6 +81,12 @@ def parse_args():
                    help="Dynamo's DTensor spec guards on parameters: dropped (Config.dtensor_spec_guards="
                         "'cgcompile', the default: cgcompile checks the specs), kept ('dynamo'), or both as two "
                         "variants (the kept one's name ends in -dynamo-spec)")
+    p.add_argument("--module-guards", default="kept", choices=["kept", "skipped", "both"],
+                   help="Dynamo's guards on torch.nn's own modules (Linear, Embedding, ...): kept (torch.compile's "
+                        "default), skipped (options={'guard_filter_fn': torch.compiler."
+                        "skip_guard_on_inbuilt_nn_modules_unsafe}: unsound where the program changes such a module's "
+                        "attributes), or both as two variants (the skipped one's name ends in -nn-guards-skipped); "
+                        "on one GPU too")
     p.add_argument("--kernels", action="store_true",
                    help="every rank prints its decode step's kernels by class (matmuls, collectives, copies, "
                         "...) beside its weight-bytes floor, for the first compiled variant (step_kernels.py)")
@@ -249,25 +255,30 @@ def kernel_report(forward, model, prompt, args, label: str, device) -> None:
 
 
 def compiled_variants(model, prompt, args, device, report, prefix: str, all_reduces: list[str]):
-    """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`
-    and per --spec-guards choice (the variant's name ends in "-dynamo-spec" where Dynamo's
-    DTensor spec guards are kept)."""
+    """`model.forward` compiled with cgcompile, once per Config.all_reduce of `all_reduces`,
+    per --spec-guards choice (the variant's name ends in "-dynamo-spec" where Dynamo's DTensor
+    spec guards are kept) and per --module-guards choice (it ends in "-nn-guards-skipped"
+    where Dynamo's guards on torch.nn's own modules are filtered out)."""
     eager_forward = model.forward
     drops = {"kept": [False], "dropped": [True], "both": [True, False]}[args.spec_guards]
     if prefix == "tp1":
         drops = drops[:1]  # one GPU: no DTensor parameters, so no spec guards either way
-    for all_reduce, dropped in ((a, d) for a in all_reduces for d in drops):
+    module_guards = {"kept": [True], "skipped": [False], "both": [True, False]}[args.module_guards]
+    for all_reduce, dropped, kept in ((a, d, k) for a in all_reduces for d in drops for k in module_guards):
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local",
                                                      skinny_linears=not args.no_skinny,
                                                      dtensor_spec_guards="cgcompile" if dropped else "dynamo"))
-        model.forward = torch.compile(eager_forward, backend=backend)
-        variant = f"{prefix}-cgcompile" + ("" if dropped else "-dynamo-spec")
+        options = {} if kept else {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
+        model.forward = torch.compile(eager_forward, backend=backend, options=options or None)
+        variant = (f"{prefix}-cgcompile" + ("" if dropped else "-dynamo-spec")
+                   + ("" if kept else "-nn-guards-skipped"))
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
-        if args.kernels and device.type == "cuda" and dropped == drops[0] and all_reduce == all_reduces[0]:
+        if (args.kernels and device.type == "cuda" and dropped == drops[0] and kept == module_guards[0]
+                and all_reduce == all_reduces[0]):
             kernel_report(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
         if args.guard_probe:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -313,16 +324,15 @@ def print_summary(rows, args):
     def ms(variant, all_reduce, key="ms_per_token"):
         return next((r[key] for r in rows if (r["variant"], r["all_reduce"]) == (variant, all_reduce)), None)
 
-    single = ms("tp1-cgcompile", "auto")
     for all_reduce in args.all_reduce.split(","):
-        for name in (f"{args.prefix}-cgcompile", f"{args.prefix}-cgcompile-dynamo-spec"):
-            tp = ms(name, all_reduce)
+        for spec, modules in ((spec, modules) for spec in ("", "-dynamo-spec") for modules in ("", "-nn-guards-skipped")):
+            name, one = f"{args.prefix}-cgcompile{spec}{modules}", f"tp1-cgcompile{modules}"  # alike guards on one GPU
+            tp, single = ms(name, all_reduce), ms(one, "auto")
             if tp and single:
-                host, single_host = ms(name, all_reduce, "host_ms_per_call"), \
-                    ms("tp1-cgcompile", "auto", "host_ms_per_call")
+                host, single_host = ms(name, all_reduce, "host_ms_per_call"), ms(one, "auto", "host_ms_per_call")
                 print(f"{name} all_reduce={all_reduce}: {tp:.3f} ms/token (host {host:.3f} ms a call); "
-                      f"tp1-cgcompile {single:.3f} (host {single_host:.3f}); "
-                      f"tp1/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
+                      f"{one} {single:.3f} (host {single_host:.3f}); "
+                      f"{one}/{args.prefix} {single / tp:.2f}x (target >= 1.5 at 8b, TP=2)")
     eager = ms(f"{args.prefix}-eager", "-")
     if eager:
         print(f"{args.prefix}-eager: {eager:.3f} ms/token")

@@ -29,6 +29,8 @@
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
 #   hf_check_n2    the same at a small shape in fp32: tokens match eager
+#   hf_guards_n2   the same model with Dynamo's guards on torch.nn's own modules kept and skipped
+#                  (--module-guards both; skipping is torch's unsafe guard filter), TP=2 and one GPU
 #   tp_kernels_n2, tp_kernels_n4 (N=4), tp_kernels_70b_n4 (N=4)  the `TensorParallelDecoder` full graph's
 #                  step (small-query attention, batch 1) by kernel class on every rank, against the
 #                  rank's floor, with the GPU's idle time between kernels (tp_profile.py --classes)
@@ -134,6 +136,9 @@ step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benc
     --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
 step tp_8b_n2_nccl && run tp_8b_n2_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \
     --json "$OUT/tp_8b_n2_nccl.json"
+step hf_guards_n2 && run hf_guards_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
+    --shape 8b --layers 8 --tokens 32 --repeats 3 --all-reduce auto --spec-guards dropped --module-guards both \
+    --json "$OUT/hf_guards_n2.json"
 step tp_kernels_n2 && run tp_kernels_n2 200 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/tp_profile.py \
     --model 8b --batch 1 --variant full-sq --classes
 if ((N >= 4)); then
