@@ -28,7 +28,8 @@
 #   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
-#   hf_check_n2    the same at a small shape in fp32: tokens match eager
+#   hf_check_n2    the same at a small shape in fp32: tokens match eager (torch.nn's module guards kept
+#                  and skipped)
 #   hf_guards_n2   the same model with Dynamo's guards on torch.nn's own modules kept and skipped
 #                  (--module-guards both; skipping is torch's unsafe guard filter), TP=2 and one GPU
 #   tp_kernels_n2, tp_kernels_n4 (N=4), tp_kernels_70b_n4 (N=4)  the `TensorParallelDecoder` full graph's
@@ -133,7 +134,7 @@ step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 
 step hf_kernels_n2 && run hf_kernels_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --kernels \
     --spec-guards dropped --repeats 1
 step hf_check_n2 && run hf_check_n2 150 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \
-    --shape small --check --tokens 24 --repeats 1 --json "$OUT/hf_check_n2.json"
+    --shape small --check --tokens 24 --repeats 1 --module-guards both --json "$OUT/hf_check_n2.json"
 step tp_8b_n2_nccl && run tp_8b_n2_nccl 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce nccl \
     --json "$OUT/tp_8b_n2_nccl.json"
 step hf_guards_n2 && run hf_guards_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 benchmarks/hf_tp_bench.py \

@@ -81,9 +81,10 @@ def test_hf_tp_bench_tokens_equal_eager_on_two_gloo_ranks(tmp_path):
     pytest.importorskip("accelerate")  # transformers' tp_plan needs it
     out = torchrun(ROOT / "benchmarks" / "hf_tp_bench.py", "--device", "cpu", "--shape", "tiny", "--check",
                    "--compiler", "eager", "--tokens", "6", "--repeats", "1", "--all-reduce", "auto",
-                   "--save-dir", str(tmp_path / "model"), timeout=300)
+                   "--module-guards", "both", "--save-dir", str(tmp_path / "model"), timeout=300)
     variants = {json.loads(line)["variant"] for line in out.splitlines() if line.startswith("{")}
-    assert variants == {"tp2-cgcompile", "tp2-eager", "tp1-cgcompile", "tp1-eager"}, out
+    assert variants == {"tp2-cgcompile", "tp2-cgcompile-nn-guards-skipped", "tp2-eager", "tp1-cgcompile",
+                        "tp1-cgcompile-nn-guards-skipped", "tp1-eager"}, out
     assert "tokens match: True" in out.splitlines(), out
 
 

@@ -1,8 +1,13 @@
-"""benchmarks/dtensor_guards.py runs on CPU (one gloo rank) and times all three variants."""
+"""benchmarks/dtensor_guards.py runs on CPU: one gloo rank and all three variants, and with
+--hf on two ranks."""
 
 import pathlib
 import subprocess
 import sys
+
+import pytest
+
+from parallel_launch import torchrun
 
 PROBE = pathlib.Path(__file__).parent.parent.parent / "benchmarks" / "dtensor_guards.py"
 
@@ -15,3 +20,15 @@ def test_dtensor_guards_smoke_on_cpu():
     assert header.split()[:2] == ["layers", "params"]
     layers, params, *times = row.split()
     assert (layers, params) == ("2", "4") and len(times) == 3 and all(float(t) > 0 for t in times)
+
+
+def test_dtensor_guards_times_a_transformers_llama_whole_and_tp_plan_on_two_gloo_ranks():
+    """--hf: every variant of the guard table is timed (the filters compose with the
+    tp_plan model's hooks and with cgcompile's spec drop); rank 0 prints the one row."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers' tp_plan needs it
+    out = torchrun(PROBE, "--hf", "--layers", "2", "--calls", "10", timeout=300)
+    header, row = out.strip().splitlines()[-2:]
+    assert header.split()[:3] == ["layers", "whole", "us"], out
+    layers, *times = row.split()
+    assert layers == "2" and len(times) == 5 and all(float(t) > 0 for t in times), out
