@@ -113,10 +113,12 @@ def hf_llama(layers: int, tp_plan: bool):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     folder = os.path.join(tempfile.gettempdir(), f"cgcompile-dtensor-guards-{layers}l")
-    if dist.get_rank() == 0 and not os.path.exists(os.path.join(folder, "config.json")):
+    saved = os.path.join(folder, "saved.ok")  # written last: a save cut short is made again
+    if dist.get_rank() == 0 and not os.path.exists(saved):
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)).save_pretrained(folder)
+        open(saved, "w").close()
     dist.barrier()
     return AutoModelForCausalLM.from_pretrained(folder, **({"tp_plan": "auto"} if tp_plan else {})).eval()
 
