@@ -61,21 +61,27 @@ def without_spec_and_inbuilt_module_guards(entries) -> list[bool]:
     return [keep and spec for keep, spec in zip(keep_modules, without_dtensor_spec_guards(entries))]
 
 
+def median_us(call, calls: int, timed: bool = True) -> float:
+    """us per call() (no grad): 5 untimed calls, then the median of 5 runs of `calls` calls;
+    with `timed` False only the untimed calls (nan)."""
+    runs = []
+    with torch.no_grad():
+        for _ in range(5):
+            call()
+        for _ in range(5 if timed else 0):
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            runs.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(runs) if runs else float("nan")
+
+
 def us_per_call(model: torch.nn.Module, guard_filter, calls: int) -> float:
     torch._dynamo.reset()
     options = {"guard_filter_fn": guard_filter} if guard_filter else None
     compiled = torch.compile(model, backend=replay_first_outputs, options=options)
     x = torch.randn(1, 64)
-    with torch.no_grad():
-        for _ in range(5):
-            compiled(x)
-        runs = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
-                compiled(x)
-            runs.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(runs)
+    return median_us(lambda: compiled(x), calls)
 
 
 def hf_us_per_call(model, guard_filter, calls: int) -> float:
@@ -93,17 +99,9 @@ def hf_us_per_call(model, guard_filter, calls: int) -> float:
     def call():
         return forward(input_ids=token, past_key_values=cache, cache_position=position, logits_to_keep=1)
 
-    runs = []
-    with torch.no_grad():
-        for _ in range(5):
-            call()
-        for _ in range(5 if dist.get_rank() == 0 else 0):
-            start = time.perf_counter()
-            for _ in range(calls):
-                call()
-            runs.append((time.perf_counter() - start) / calls * 1e6)
+    us = median_us(call, calls, timed=dist.get_rank() == 0)
     dist.barrier()
-    return statistics.median(runs) if runs else float("nan")
+    return us
 
 
 def hf_llama(layers: int, tp_plan: bool):
