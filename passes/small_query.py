@@ -39,10 +39,11 @@ from .sdpa import SDPA_FUNCTIONS, grouped_query_attention, sdpa_arguments
 MAX_QUERY_ROWS = 16
 
 
-def small_query_attention(query, key, value, attn_mask=None, scale=None):
+def small_query_attention(query, key, value, attn_mask=None, scale=None, dim_order=None):
     """SDPA of query [..., H, T, D] over key/value [..., Hk, L, D] (H a multiple of Hk, query
     head h reading key head h // (H // Hk)) -> [..., H, T, Dv], as two batched matmuls with
-    a float32 softmax between them."""
+    a float32 softmax between them; laid out densely in `dim_order` where given (see
+    `traced_dim_order`)."""
     *lead, heads, rows, head_dim = query.shape
     key_heads, length = key.shape[-3], key.shape[-2]
     scale = head_dim ** -0.5 if scale is None else scale
@@ -60,7 +61,44 @@ def small_query_attention(query, key, value, attn_mask=None, scale=None):
         probs = probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
     probs = probs.to(value.dtype).view(*lead, key_heads, -1, length)  # [..., Hk, G*T, L]
     out = torch.matmul(probs, value)  # [..., Hk, G*T, Dv]
-    return out.view(*lead, heads, rows, value.shape[-1]).to(query.dtype)
+    out = out.view(*lead, heads, rows, value.shape[-1]).to(query.dtype)
+    return out if dim_order is None else in_dim_order(out, dim_order)
+
+
+def traced_dim_order(value) -> tuple[int, ...] | None:
+    """The order of a traced tensor's dims in memory, outermost first, where its layout is
+    not the contiguous one (SDPA's fused kernels return [B, H, T, D] laid out as [B, T, H, D]);
+    None where it is contiguous or a size or stride has no concrete value. Size-1 dims, whose
+    strides mean nothing, go first."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    sizes, strides = [_concrete(s) for s in value.shape], [_concrete(s) for s in value.stride()]
+    if None in sizes or None in strides or _contiguous(sizes, strides):
+        return None
+    wide = sorted((d for d, size in enumerate(sizes) if size > 1), key=lambda d: (-strides[d], d))
+    return tuple([d for d, size in enumerate(sizes) if size <= 1] + wide)
+
+
+def in_dim_order(x, dim_order):
+    """`x`'s values in a fresh tensor laid out densely with its dims in `dim_order`, outermost
+    first: the layout `traced_dim_order` read. Fresh, so its strides are the same for
+    every `x` (an op's fake and real outputs must agree)."""
+    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
+    permuted = x.permute(*dim_order)
+    return x.new_empty(permuted.shape).copy_(permuted).permute(*inverse)
+
+
+def _concrete(size) -> int | None:
+    return size.node.hint if isinstance(size, torch.SymInt) else size
+
+
+def _contiguous(sizes, strides) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _at_least_float32(x):
@@ -85,8 +123,9 @@ def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS
     """Rewrite SDPA calls (and `grouped_query_attention` calls) of at most `max_query`
     static query rows to `attention` (and `grouped_attention`), which must keep the
     contracts of `small_query_attention` (and `grouped_small_query_attention`): another
-    form of the same attention, such as a kernel's. Returns how many; the graph is changed
-    in place."""
+    form of the same attention, such as a kernel's. An SDPA call traced with a layout other
+    than the contiguous one passes it as `dim_order`. Returns how many; the graph is
+    changed in place."""
     lowered = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -96,6 +135,11 @@ def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS
             node.target = attention
             node.args = (args["query"], args["key"], args["value"])
             node.kwargs = {"attn_mask": args.get("attn_mask"), "scale": args.get("scale")}
+            # SDPA's traced layout, kept: a later piece was traced reading it, and would
+            # copy any other layout into it at every call (one launch a layer).
+            order = traced_dim_order(example_value(node))
+            if order is not None:
+                node.kwargs = {**node.kwargs, "dim_order": order}
             lowered += 1
         elif node.target is grouped_query_attention:
             node.target = grouped_attention

@@ -21,11 +21,12 @@ the kernels write that layout directly, where the matmuls' result is copied into
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import torch
 
 from ..passes.matvec_reduction import HALF_DTYPES
-from ..passes.small_query import grouped_layout, grouped_small_query_attention, small_query_attention
+from ..passes.small_query import grouped_layout, grouped_small_query_attention, in_dim_order, small_query_attention
 from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
@@ -38,10 +39,12 @@ MIN_DOT = 16  # tl.dot's smallest block
 
 
 def kernel_problem(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attn_mask: torch.Tensor | None) -> str | None:
+                   attn_mask: torch.Tensor | None, dim_order: Sequence[int] | None = None) -> str | None:
     """Why `decode_attention` runs the batched matmuls for these operands (None: the kernels).
     Reads only what a fake tensor has (device, dtype, shapes), and compares no symbolic size
     (that would add a guard)."""
+    if dim_order is not None and (sorted(dim_order) != list(range(query.dim())) or dim_order[-1] != query.dim() - 1):
+        return f"an output laid out in dim order {tuple(dim_order)}; the kernels write the last dim innermost"
     if query.dtype not in HALF_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}; the kernels take bf16 or fp16, all alike"
     if not 3 <= query.dim() <= 4 or key.dim() != query.dim() or value.dim() != query.dim():
@@ -86,11 +89,12 @@ def choose_splits(programs: int, length: int, device: torch.device) -> int:
 
 def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None, scale: float,
-                                 chunk: int | None = None, grouped: bool = False) -> torch.Tensor:
+                                 chunk: int | None = None, grouped: bool = False,
+                                 dim_order: Sequence[int] | None = None) -> torch.Tensor:
     """The kernels on operands that `kernel_problem` accepts; `chunk` (positions a split, a
-    multiple of `BLOCK_L`) overrides the choice. Returns [..., H, T, Dv], contiguous; with
-    `grouped` (a query of one token) [B, Hk, G, Dv] in `grouped_layout`'s layout, written
-    there by the kernels."""
+    multiple of `BLOCK_L`) overrides the choice. Returns [..., H, T, Dv], contiguous or laid
+    out as `in_dim_order(out, dim_order)` lays it out, written there by the kernels; with
+    `grouped` (a query of one token) [B, Hk, G, Dv] in `grouped_layout`'s layout."""
     from .decode_attention_kernel import combine_splits_kernel, decode_attention_kernel
 
     lead = query.shape[:-3]
@@ -102,7 +106,8 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
         out = grouped_output(q, key_heads, value_dim)
         out_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
     else:
-        out = torch.empty(batch, heads, tokens, value_dim, dtype=q.dtype, device=q.device)
+        result = ordered_output(query, value_dim, dim_order)
+        out = result if result.dim() == 4 else result.unsqueeze(0)
         out_strides = (out.stride(0), group * out.stride(1), out.stride(1), out.stride(2))
     mask = None if attn_mask is None else attn_mask.expand(batch, heads, tokens, length)
     programs = batch * key_heads
@@ -130,7 +135,18 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
             out, *parts, *out_strides, splits, key_heads, tokens, value_dim, BLOCK_R=block_r,
             BLOCK_S=next_power_of_2(splits), BLOCK_DV=block_dv, PDL=pdl, num_warps=4,
             **({"launch_pdl": True} if pdl else {}))
-    return out if grouped else out.view(*lead, heads, tokens, value_dim)
+    return out if grouped else result
+
+
+def ordered_output(query: torch.Tensor, value_dim: int, dim_order: Sequence[int] | None) -> torch.Tensor:
+    """An empty [..., H, T, Dv] for a query [..., H, T, D]: contiguous, or laid out in
+    `dim_order` as `in_dim_order` lays it out. The kernels write their rows along Dv, so
+    an order that does not keep Dv innermost is refused (`kernel_problem`)."""
+    shape = (*query.shape[:-1], value_dim)
+    if dim_order is None:
+        return query.new_empty(shape)
+    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
+    return query.new_empty([shape[d] for d in dim_order]).permute(*inverse)
 
 
 def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int) -> torch.Tensor:
@@ -142,18 +158,20 @@ def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int) -> torch
 
 @torch.library.custom_op("cgcompile::decode_attention", mutates_args=())
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """`small_query_attention(query, key, value, attn_mask, scale)`: by the kernels where
-    `kernel_problem` allows, else by its batched matmuls. Put in graphs by the lowering for
-    inference only (`kernel_problem` refuses inputs that require grad), so it has no backward."""
-    if kernel_problem(query, key, value, attn_mask) is None:
-        return decode_attention_kernel_call(query, key, value, attn_mask, scale)
-    return small_query_attention(query, key, value, attn_mask, scale).contiguous()
+                     attn_mask: torch.Tensor | None, scale: float, dim_order: list[int] | None = None) -> torch.Tensor:
+    """`small_query_attention(query, key, value, attn_mask, scale, dim_order)`: by the kernels
+    where `kernel_problem` allows, else by its batched matmuls; contiguous without
+    `dim_order`. Put in graphs by the lowering for inference only (`kernel_problem` refuses
+    inputs that require grad), so it has no backward."""
+    if kernel_problem(query, key, value, attn_mask, dim_order) is None:
+        return decode_attention_kernel_call(query, key, value, attn_mask, scale, dim_order=dim_order)
+    out = small_query_attention(query, key, value, attn_mask, scale)
+    return out.contiguous() if dim_order is None else in_dim_order(out, dim_order)
 
 
 @decode_attention.register_fake
-def _(query, key, value, attn_mask, scale):
-    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+def _(query, key, value, attn_mask, scale, dim_order=None):
+    return ordered_output(query, value.shape[-1], dim_order)
 
 
 @torch.library.custom_op("cgcompile::grouped_decode_attention", mutates_args=())
@@ -176,11 +194,11 @@ def _(query, key, value, attn_mask, scale):
     return grouped_output(query, key.shape[1], value.shape[-1])
 
 
-def attention_with_kernel(query, key, value, attn_mask=None, scale=None):
+def attention_with_kernel(query, key, value, attn_mask=None, scale=None, dim_order=None):
     """`small_query_attention`'s contract, as the lowering puts it in a graph: the op where the
     traced operands suit the kernels, the batched matmuls (which Inductor fuses) where not."""
     return _with_kernel(torch.ops.cgcompile.decode_attention, small_query_attention,
-                        query, key, value, attn_mask, scale)
+                        query, key, value, attn_mask, scale, dim_order)
 
 
 def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None):
@@ -189,11 +207,13 @@ def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None)
                         query, key, value, attn_mask, scale)
 
 
-def _with_kernel(op, matmuls, query, key, value, attn_mask, scale):
-    """`op` where the traced operands suit the kernels (its scale made explicit), else `matmuls`."""
-    if kernel_problem(query, key, value, attn_mask) is not None:
-        return matmuls(query, key, value, attn_mask, scale)
-    return op(query, key, value, attn_mask, query.shape[-1] ** -0.5 if scale is None else scale)
+def _with_kernel(op, matmuls, query, key, value, attn_mask, scale, dim_order=None):
+    """`op` where the traced operands suit the kernels (its scale made explicit), else `matmuls`;
+    `dim_order` passed on to either where given."""
+    layout = () if dim_order is None else (list(dim_order),)
+    if kernel_problem(query, key, value, attn_mask, dim_order) is not None:
+        return matmuls(query, key, value, attn_mask, scale, *layout)
+    return op(query, key, value, attn_mask, query.shape[-1] ** -0.5 if scale is None else scale, *layout)
 
 
 @functools.cache

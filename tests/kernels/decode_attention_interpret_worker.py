@@ -2,9 +2,10 @@
 tests/kernels/test_decode_attention.py with TRITON_INTERPRET=1): every path of the kernels
 (one split and several, bool and additive masks and none, blocks every row masks out, rows
 every position masks out, grouped heads, several tokens, head dims that are not powers of
-two, strided queries, NaN where no row looks, the grouped layout) against float64 SDPA over repeated keys and values. In float16 only:
-the interpreter's tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9), so
-bfloat16 is checked on the GPU (test_decode_attention.py)."""
+two, strided queries, NaN where no row looks, the grouped layout, outputs laid out in a
+given dim order) against float64 SDPA over repeated keys and values. In float16 only: the
+interpreter's tl.dot multiplies bfloat16 operands as raw integers (Triton 3.9), so bfloat16
+is checked on the GPU (test_decode_attention.py)."""
 
 import os
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cgcompile.kernels.decode_attention import BLOCK_L, decode_attention_kernel_call
-from cgcompile.passes.small_query import grouped_layout
+from cgcompile.passes.small_query import grouped_layout, in_dim_order
 
 
 def reference(q, k, v, mask, scale):
@@ -28,7 +29,7 @@ def reference(q, k, v, mask, scale):
 
 
 def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_dim, mask_kind, chunk, strided_query,
-         grouped=False):
+         grouped=False, dim_order=None):
     heads = key_heads * group
     if strided_query:  # [B, T, H, D] transposed, as a model's projection makes it
         q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
@@ -51,7 +52,11 @@ def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_di
         k, v = k.clone(), v.clone()
         k[:, :, max(1, length // 3):] = float("nan")
         v[:, :, max(1, length // 3):] = float("nan")
-    got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk, grouped)
+    got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk, grouped,
+                                       dim_order)
+    if dim_order is not None:  # written in the layout in_dim_order makes, as the op's fake promises
+        expected_strides = in_dim_order(want, dim_order).stride()
+        assert got.stride() == expected_strides, (got.stride(), expected_strides)
     if grouped:  # [B, Hk, G, Dv], rows outer: the layout grouped_layout makes of want
         expected_strides = grouped_layout(want, key_heads).stride()
         assert got.stride() == expected_strides, (got.stride(), expected_strides)
@@ -72,6 +77,8 @@ def main() -> None:
         (torch.float16, 1, 2, 2, 1, 300, 16, 16, "bool", BLOCK_L, False),  # splits every row masks out
         (torch.float16, 2, 2, 4, 1, 150, 32, 32, "bool", None, True, True),  # grouped layout, several splits
         (torch.float16, 2, 3, 2, 1, 40, 16, 24, "float", None, False, True),  # grouped layout, one split
+        (torch.float16, 2, 2, 2, 3, 150, 16, 16, "bool", None, True, False, (0, 2, 1, 3)),  # [B, T, H, D] in memory
+        (torch.float16, 1, 2, 4, 2, 60, 16, 16, None, BLOCK_L, False, False, (2, 0, 1, 3)),  # [T, B, H, D]
     ]
     for args in cases:
         case(gen, *args)

@@ -55,6 +55,25 @@ def test_the_op_equals_the_matmuls_where_it_falls_back():
                                small_query_attention(q, k, v, mask, 0.25))
 
 
+def test_the_op_lays_its_output_out_in_the_dim_order_its_fake_promises():
+    """The lowering passes SDPA's traced layout ([B, T, H, D] in memory) to the op: where it
+    falls back to the matmuls, the result has the strides the fake tensor had."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _operands(tokens=3, length=33)
+    order = [0, 2, 1, 3]
+    got = torch.ops.cgcompile.decode_attention(q, k, v, None, 0.25, order)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.cgcompile.decode_attention(*(mode.from_tensor(t) for t in (q, k, v)), None, 0.25, order)
+    assert got.stride() == fake.stride() == (8 * 3 * 16, 16, 8 * 16, 1)
+    torch.testing.assert_close(got, small_query_attention(q, k, v, None, 0.25))
+
+
+def test_an_order_that_moves_the_last_dim_keeps_the_matmuls():
+    problem = op.kernel_problem(*_operands(), None, dim_order=(0, 1, 3, 2))
+    assert problem is not None and "dim order (0, 1, 3, 2)" in problem
+
+
 def test_the_grouped_op_falls_back_to_the_grouped_layout():
     q, k, v = _operands(batch=2, length=33)
     mask = torch.rand(2, 1, 1, 33) < 0.6

@@ -10,7 +10,8 @@ import cgcompile
 from cgcompile.errors import ConfigError
 from cgcompile.kernels.decode_attention import attention_with_kernel
 from cgcompile.passes import lower_small_query_attention
-from cgcompile.passes.small_query import grouped_small_query_attention, small_query_attention
+from cgcompile.passes.small_query import (grouped_small_query_attention, in_dim_order, small_query_attention,
+                                          traced_dim_order)
 from cgcompile.passes.sdpa import grouped_query_attention
 from cgcompile.testing.models import StaticCacheDecoder
 
@@ -115,6 +116,32 @@ def test_the_pass_rewrites_few_query_rows_and_leaves_prefill_alone():
     assert lower_small_query_attention(gm) == 0
 
 
+def test_the_pass_keeps_sdpas_traced_layout():
+    """SDPA's output here is laid out as its query is, [B, T, H, D] in memory; the lowered
+    form returns the same strides, so nothing after it sees another layout."""
+    k, v = torch.randn(2, 4, 32, 8), torch.randn(2, 4, 32, 8)
+    q = torch.randn(2, 3, 4, 8).transpose(1, 2)  # [B, H, T, D], rows outer in memory
+    gm = dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v)
+    assert lower_small_query_attention(gm) == 1
+    (node,) = [n for n in gm.graph.nodes if n.target is small_query_attention]
+    assert node.kwargs["dim_order"] == (0, 2, 1, 3)
+    (got,) = gm(q, k, v)
+    expected = F.scaled_dot_product_attention(q, k, v)
+    assert got.stride() == expected.stride() == (96, 8, 32, 1)
+    torch.testing.assert_close(got, expected)
+
+
+def test_traced_dim_order_reads_only_layouts_other_than_the_contiguous_one():
+    assert traced_dim_order(torch.empty(2, 4, 3, 8)) is None
+    assert traced_dim_order(torch.empty(2, 1, 4, 8).transpose(1, 2)) is None  # [B, H, 1, D]: contiguous all the same
+    assert traced_dim_order(torch.empty(2, 3, 4, 8).transpose(1, 2)) == (0, 2, 1, 3)
+    assert traced_dim_order(torch.empty(1, 3, 4, 8).transpose(1, 2)) == (0, 2, 1, 3)  # size-1 dims first
+    assert traced_dim_order(torch.empty(3, 2, 4, 8).permute(1, 2, 0, 3)) == (2, 0, 1, 3)
+    x = torch.randn(3, 2, 4, 8).permute(1, 2, 0, 3)
+    laid_out = in_dim_order(x.contiguous(), traced_dim_order(x))
+    assert laid_out.stride() == x.stride() and torch.equal(laid_out, x)
+
+
 @pytest.mark.parametrize("call", [
     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.5),
@@ -163,6 +190,40 @@ def test_full_graphs_with_small_query_attention_equal_eager(whole, compiler):
     # The piecewise calls (each graph's first) ran SDPA as it was: nothing lowered there.
     assert all(n.target not in (small_query_attention, attention_with_kernel)
                for p in backend.pieces for n in p.graph.graph.nodes)
+
+
+class FewQueryRows(torch.nn.Module):
+    """Attention of T query rows laid out as a projection makes them, [B, T, H, D] in memory,
+    over a fixed cache: SDPA's traced output has that layout too."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.register_buffer("k", torch.randn(1, 4, 16, 8))
+        self.register_buffer("v", torch.randn(1, 4, 16, 8))
+
+    def forward(self, x):  # x: [B, T, 32]
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 8).transpose(1, 2)  # [B, H, T, D]
+        out = F.scaled_dot_product_attention(q, self.k.expand(b, -1, -1, -1), self.v.expand(b, -1, -1, -1))
+        return self.o(out.transpose(1, 2).reshape(b, t, 32))
+
+
+@torch.no_grad()
+def test_a_lowered_attention_piece_hands_the_next_piece_its_traced_layout():
+    """The attention piece's output reaches the piece after it in the layout that piece was
+    traced with: nothing is copied at the boundary (before, one copy a call)."""
+    torch.manual_seed(0)
+    model = FewQueryRows().eval()
+    config = cgcompile.Config(compiler="inductor", capturable_split_ops=("attention",), full_graph_compile=False,
+                              small_query_attention=True)
+    backend = cgcompile.Backend(config)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(2, 4, 32)
+    for call in range(4):
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5, msg=lambda m: f"call {call}: {m}")
+    assert backend.stats.full_graph_calls == 3
+    assert backend.stats.layout_copies == 0
 
 
 def test_eager_piece_compiles_are_shared_by_shape_and_aliasing(monkeypatch):
