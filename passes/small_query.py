@@ -79,13 +79,17 @@ def traced_dim_order(value) -> tuple[int, ...] | None:
     return tuple([d for d, size in enumerate(sizes) if size <= 1] + wide)
 
 
-def in_dim_order(x, dim_order):
-    """`x`'s values in a fresh tensor laid out densely with its dims in `dim_order`, outermost
-    first: the layout `traced_dim_order` read. Fresh, so its strides are the same for
-    every `x` (an op's fake and real outputs must agree)."""
+def empty_in_dim_order(like, shape, dim_order):
+    """An empty tensor of `shape` (`like`'s dtype and device) laid out densely with its dims
+    in `dim_order`, outermost first: the layout `traced_dim_order` read."""
     inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
-    permuted = x.permute(*dim_order)
-    return x.new_empty(permuted.shape).copy_(permuted).permute(*inverse)
+    return like.new_empty([shape[d] for d in dim_order]).permute(*inverse)
+
+
+def in_dim_order(x, dim_order):
+    """`x`'s values in a fresh tensor laid out as `empty_in_dim_order` lays it out. Fresh, so
+    its strides are the same for every `x` (an op's fake and real outputs must agree)."""
+    return empty_in_dim_order(x, x.shape, dim_order).copy_(x)
 
 
 def _concrete(size) -> int | None:

@@ -26,7 +26,8 @@ from typing import Sequence
 import torch
 
 from ..passes.matvec_reduction import HALF_DTYPES
-from ..passes.small_query import grouped_layout, grouped_small_query_attention, in_dim_order, small_query_attention
+from ..passes.small_query import (empty_in_dim_order, grouped_layout, grouped_small_query_attention, in_dim_order,
+                                  small_query_attention)
 from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
 MAX_ROWS = 64  # query rows of one key head (query heads per key head x tokens) in one program
@@ -140,13 +141,10 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
 
 def ordered_output(query: torch.Tensor, value_dim: int, dim_order: Sequence[int] | None) -> torch.Tensor:
     """An empty [..., H, T, Dv] for a query [..., H, T, D]: contiguous, or laid out in
-    `dim_order` as `in_dim_order` lays it out. The kernels write their rows along Dv, so
+    `dim_order` (`empty_in_dim_order`). The kernels write their rows along Dv, so
     an order that does not keep Dv innermost is refused (`kernel_problem`)."""
     shape = (*query.shape[:-1], value_dim)
-    if dim_order is None:
-        return query.new_empty(shape)
-    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
-    return query.new_empty([shape[d] for d in dim_order]).permute(*inverse)
+    return query.new_empty(shape) if dim_order is None else empty_in_dim_order(query, shape, dim_order)
 
 
 def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int) -> torch.Tensor:
