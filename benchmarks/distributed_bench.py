@@ -44,7 +44,8 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
 --no-fuse-norm turns Config.fuse_all_reduce_norm off, --no-skinny Config.skinny_linears,
 --no-decode-attention-kernel Config.decode_attention_kernel;
 --tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
-small-query one alone, tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
+small-query one alone, full-whole-sq: that one with the whole graph compiled once more
+(Config.full_graph_compile), tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
 multicast stays off in every run.
 
 Method: one process per GPU; every variant is compiled, captured and warmed up on
@@ -116,7 +117,7 @@ def parse_args():
     p.add_argument("--json", default=None, help="write rank 0's rows here")
     p.add_argument("--tp-variants", default="cgcompile,eager,full,tp1",
                    help="TP variants: cgcompile, eager, full (both full-graph ones), full-sq (the small-query one), "
-                        "tp1 (rank 0 alone)")
+                        "full-whole-sq (that one compiled whole), tp1 (rank 0 alone)")
     p.add_argument("--parts", default="pp,tp,allreduce",
                    help="which of pp (pipeline), tppp (pipeline of tensor-parallel stages, --tp ranks each), "
                         "tp (tensor parallel) and allreduce (the step's all-reduces alone) to run")
@@ -130,10 +131,11 @@ def parse_args():
     return args
 
 
-def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8, 32, 64)):
+def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8, 32, 64), whole=False):
     """full: the static-attention model, attention declared capturable, so a decode step
     whose cache and position buffers stay put replays one CUDA graph (issue 16).
-    small_query: that graph's attention compiled as batched matmuls (Config.small_query_attention)."""
+    small_query: that graph's attention compiled as batched matmuls (Config.small_query_attention).
+    whole: the full graph compiled whole once more (Config.full_graph_compile)."""
     cuda = device.type == "cuda"
     split = {"capturable_split_ops": ("attention",)} if full else {"splitting_ops": ["cgbench::decode_attention"]}
     matvec = {"matvec_as_reduction": True, "inductor_options": {"coordinate_descent_tuning": True}} \
@@ -141,17 +143,18 @@ def make_backend(device, reuse=False, full=False, small_query=False, sizes=(1, 8
     return cgcompile.Backend(cgcompile.Config(
         capture_sizes=tuple(sorted(set(sizes))), compiler="inductor" if cuda else "eager",
         capture_error_mode="thread_local",
-        reuse_output_buffers=reuse, small_query_attention=small_query, all_reduce=ALL_REDUCE,
+        reuse_output_buffers=reuse, small_query_attention=small_query, full_graph_compile=whole, all_reduce=ALL_REDUCE,
         fuse_all_reduce_norm=FUSE_NORM, skinny_linears=SKINNY, decode_attention_kernel=DECODE_KERNEL,
         **split, **matvec))
 
 
-def full_variants(device, variants) -> tuple[tuple[str, bool], ...]:
-    """(name suffix, small_query) of the full-graph variants that --tp-variants names: "full"
-    both, "full-sq" the small-query one alone (it needs Inductor, which the CPU smoke run
-    leaves out)."""
-    chosen = (("full", False), ("full-sq", True)) if "full" in variants else \
-        (("full-sq", True),) if "full-sq" in variants else ()
+def full_variants(device, variants) -> tuple[tuple[str, bool, bool], ...]:
+    """(name suffix, small_query, whole) of the full-graph variants that --tp-variants names:
+    "full" both, "full-sq" the small-query one alone, "full-whole-sq" the small-query one
+    compiled whole (small-query ones need Inductor, which the CPU smoke run leaves out)."""
+    chosen = (("full", False, False), ("full-sq", True, False)) if "full" in variants else \
+        (("full-sq", True, False),) if "full-sq" in variants else ()
+    chosen += (("full-whole-sq", True, True),) if "full-whole-sq" in variants else ()
     return tuple(v for v in chosen if device.type == "cuda" or not v[1])
 
 
@@ -197,8 +200,9 @@ def tensor_parallel(llama, device, args, report, floor):
             report("tp1-cgcompile", batch, step_s=step_seconds(single, device, batch, args))
         del single
         torch._dynamo.reset()
-        for suffix, small_query in full_variants(device, variants):
-            run_full(f"tp1-cgcompile-{suffix}", StaticMaskDecoder(llama), device, args, report, small_query)
+        for suffix, small_query, whole in full_variants(device, variants):
+            run_full(f"tp1-cgcompile-{suffix}", StaticMaskDecoder(llama), device, args, report, small_query,
+                     whole=whole)
     dist.barrier()
 
 
@@ -215,8 +219,8 @@ def sharded_variants(model, device, args, report, floor):
                 report(name, batch, step_s=step_s, **floor(step_s))
     del compiled
     torch._dynamo.reset()
-    for suffix, small_query in full_variants(device, variants):
-        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query, floor)
+    for suffix, small_query, whole in full_variants(device, variants):
+        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query, floor, whole)
 
 
 def weight_bytes(model) -> int:
@@ -256,10 +260,10 @@ def build_shard(cfg, device, dtype):
     return model
 
 
-def run_full(name, model, device, args, report, small_query, floor=lambda step_s: {}):
+def run_full(name, model, device, args, report, small_query, floor=lambda step_s: {}, whole=False):
     """Time a full-graph variant at every batch (one static Dynamo graph per batch); floor:
     the step's weight-bytes floor fields, as `floor_of` makes them (none for TP=1)."""
-    backend = make_backend(device, full=True, small_query=small_query)
+    backend = make_backend(device, full=True, small_query=small_query, whole=whole)
     full = torch.compile(model, backend=backend, dynamic=False)
     for batch in map(int, args.batches.split(",")):
         step_s = step_seconds(full, device, batch, args, device_position=True)
@@ -459,7 +463,7 @@ def print_ratios(rows):
                 parts.append(f"{over:.2f}x the per-rank weight-bytes floor of "
                              f"{value(model, f'{tp}-cgcompile', batch, 'floor_ms'):.3f} ms (target <= 1.3 at 70b TP=4)")
             print(f"{model} batch {batch}: " + "; ".join(parts))
-            for suffix in ("full", "full-sq"):
+            for suffix in ("full", "full-sq", "full-whole-sq"):
                 tpn_full, tp1_full = (value(model, f"{t}-cgcompile-{suffix}", batch, "step_s") for t in (tp, "tp1"))
                 if tpn_full and tp1_full:
                     print(f"{model} batch {batch}, {suffix}: tp1/{tp} {tp1_full / tpn_full:.2f}x, fastest TP=1 / "
