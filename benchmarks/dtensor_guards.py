@@ -20,14 +20,19 @@ own modules (`torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe`: unsound w
 program changes such a module's attributes); the whole model gets that filter too:
 
     torchrun --nproc-per-node 2 benchmarks/dtensor_guards.py --hf --layers 8,16
+
+`--guard-kinds` then lists, for the `tp_plan` model with the spec guards dropped, the guards
+that filter would take out: by guard type and by what they read (module paths folded).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -84,7 +89,7 @@ def us_per_call(model: torch.nn.Module, guard_filter, calls: int) -> float:
     return median_us(lambda: compiled(x), calls)
 
 
-def hf_us_per_call(model, guard_filter, calls: int) -> float:
+def hf_us_per_call(model, guard_filter, calls: int, timed: bool = True) -> float:
     """Host us of one decode call of a transformers model (the guards and the frame: the
     backend replays the first call's outputs), timed on rank 0 while the others wait (the
     first call runs the graph, collectives and all, on every rank)."""
@@ -99,9 +104,37 @@ def hf_us_per_call(model, guard_filter, calls: int) -> float:
     def call():
         return forward(input_ids=token, past_key_values=cache, cache_position=position, logits_to_keep=1)
 
-    us = median_us(call, calls, timed=dist.get_rank() == 0)
+    us = median_us(call, calls, timed=timed and dist.get_rank() == 0)
     dist.barrier()
     return us
+
+
+def nn_guard_kinds(model, top: int = 8) -> list[str]:
+    """What `skip_guard_on_inbuilt_nn_modules_unsafe` would take out of `model`'s decode frame
+    (spec guards dropped first): counts by guard type and by what each guard reads, the
+    path down the module tree folded to `<module>`."""
+    dropped, total = [], []
+
+    def record(entries):  # called once per frame Dynamo compiles
+        keep = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe(entries)
+        total.append(len(entries))
+        dropped.extend((e.guard_type, _read(e.name)) for e, k in zip(entries, keep) if not k)
+        return without_dtensor_spec_guards(entries)
+
+    hf_us_per_call(model, record, calls=3, timed=False)
+    lines = [f"guards on torch.nn's modules: {len(dropped)} of {sum(total)} in the tp_plan model's "
+             f"{len(total)} frame(s)"]
+    for title, counts in (("by type", Counter(t for t, _ in dropped)), ("by what they read", Counter(r for _, r in dropped))):
+        lines.append(f"  {title}: " + ", ".join(f"{name} {n}" for name, n in counts.most_common(top)))
+    return lines
+
+
+_MODULE_PATH = re.compile(r"^(self|L\['self'\])(\._modules\['[^']*'\]|\.\[\d+\])*")
+
+
+def _read(name: str) -> str:
+    """A guard's source with its module path folded: `<module>.forward.__closure__[0]...`."""
+    return re.sub(r"\[\d+\]", "[i]", _MODULE_PATH.sub("<module>", name))
 
 
 def hf_llama(layers: int, tp_plan: bool):
@@ -121,7 +154,7 @@ def hf_llama(layers: int, tp_plan: bool):
     return AutoModelForCausalLM.from_pretrained(folder, **({"tp_plan": "auto"} if tp_plan else {})).eval()
 
 
-def hf_rows(layer_counts, calls: int) -> None:
+def hf_rows(layer_counts, calls: int, guard_kinds: bool) -> None:
     rank0 = dist.get_rank() == 0
     if rank0:
         print(f"{'layers':>6} {'whole us':>9} {'whole, nn guards skipped':>25} {'tp_plan us':>11} "
@@ -135,9 +168,11 @@ def hf_rows(layer_counts, calls: int) -> None:
         dtensor = hf_us_per_call(sharded, None, calls)
         nospec = hf_us_per_call(sharded, without_dtensor_spec_guards, calls)
         neither = hf_us_per_call(sharded, without_spec_and_inbuilt_module_guards, calls)
+        kinds = nn_guard_kinds(sharded) if guard_kinds else []
         if rank0:
             print(f"{layers:>6} {plain:>9.1f} {plain_skipped:>25.1f} {dtensor:>11.1f} {nospec:>22.1f} {neither:>41.1f}",
                   flush=True)
+            print("\n".join(kinds), flush=bool(kinds))
 
 
 def main() -> None:
@@ -146,11 +181,13 @@ def main() -> None:
                    "decoder layers")
     p.add_argument("--calls", type=int, default=300, help="calls per timed run (median of 5 runs)")
     p.add_argument("--hf", action="store_true", help="a transformers Llama, whole and tp_plan='auto' (torchrun, 2 ranks)")
+    p.add_argument("--guard-kinds", action="store_true",
+                   help="with --hf: the guards on torch.nn's modules in the tp_plan frame, by type and by what they read")
     args = p.parse_args()
     if args.hf:
         dist.init_process_group("gloo")
         try:
-            hf_rows([int(n) for n in args.layers.split(",")], args.calls)
+            hf_rows([int(n) for n in args.layers.split(",")], args.calls, args.guard_kinds)
         finally:
             dist.destroy_process_group()
         return

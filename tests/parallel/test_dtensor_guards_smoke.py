@@ -2,6 +2,7 @@
 --hf on two ranks."""
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -27,8 +28,12 @@ def test_dtensor_guards_times_a_transformers_llama_whole_and_tp_plan_on_two_gloo
     tp_plan model's hooks and with cgcompile's spec drop); rank 0 prints the one row."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers' tp_plan needs it
-    out = torchrun(PROBE, "--hf", "--layers", "2", "--calls", "10", timeout=300)
-    header, row = out.strip().splitlines()[-2:]
-    assert header.split()[:3] == ["layers", "whole", "us"], out
-    layers, *times = row.split()
+    out = torchrun(PROBE, "--hf", "--layers", "2", "--calls", "10", "--guard-kinds", timeout=300)
+    lines = out.strip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["layers", "whole", "us"])
+    layers, *times = lines[header + 1].split()
     assert layers == "2" and len(times) == 5 and all(float(t) > 0 for t in times), out
+    # --guard-kinds: the filter's guards in the tp_plan frames, the TP hooks' wrapped forwards among them
+    dropped, total = re.search(r"guards on torch.nn's modules: (\d+) of (\d+)", out).groups()
+    assert 0 < int(dropped) < int(total), out
+    assert "<module>.forward" in lines[header + 4], out
