@@ -9,7 +9,10 @@
 #   ONLY="pytest_graphs zoo_a" OUT=/tmp/out bash benchmarks/gpu_verify.sh 240   # named jobs only
 #
 # Every job at once is about 40 processes: on a 16-core host most outlast a 440 s limit. Within
-# one 10-minute call, name at most about 15 jobs with ONLY.
+# one 10-minute call, name at most about 15 jobs with ONLY, or spread the jobs over several GPUs
+# of one machine with GPUS (device ids; the jobs take them in turn, in the order below), whose
+# logs then still come back as one archive:
+#   GPUS="0 1 2 3" OUT=/tmp/out bash benchmarks/gpu_verify.sh 400
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -25,10 +28,19 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-deps --no-index .whl/*.whl >>"$LOGS/install.log" 2>&1
 fi
 
+read -ra DEVICES <<<"${GPUS:-}"
+STARTED=0
 job() {  # job NAME COMMAND...: run in the background under the time limit, log to $LOGS/NAME.log
   local name=$1; shift
   if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* ]]; then return; fi
-  (timeout "$LIMIT" "$@" >"$LOGS/$name.log" 2>&1; echo "$name exit $?" >>"$LOGS/status.txt") &
+  local env=()
+  if ((${#DEVICES[@]})); then  # the next GPU in turn
+    local device=${DEVICES[STARTED % ${#DEVICES[@]}]}
+    env=(env CUDA_VISIBLE_DEVICES="$device")
+    echo "$name gpu $device" >>"$LOGS/devices.txt"
+  fi
+  STARTED=$((STARTED + 1))
+  (timeout "$LIMIT" "${env[@]}" "$@" >"$LOGS/$name.log" 2>&1; echo "$name exit $?" >>"$LOGS/status.txt") &
 }
 
 # The cuda tests in shards, so that none outlasts the limit (the 2-GPU tests skip on one GPU).
