@@ -190,6 +190,30 @@ def test_a_full_graph_decoder_at_batch_sizes_in_turn_equals_eager(kernel, monkey
     assert bool(calls) is kernel  # captured once per layer; replays call no Python
 
 
+@pytest.mark.cuda
+@torch.no_grad()
+def test_a_full_graph_whose_attention_rows_are_outer_equals_eager_without_a_layout_copy():
+    """The project's decoder attends a key head's query heads as its rows ([B, KV, G, D]), so
+    SDPA's CUDA kernels were traced laying the output out as [B, G, KV, D]: the lowered op
+    writes that layout itself, and the piece after it reads it without a copy."""
+    from cgcompile.testing.decode_model import Llama, ModelConfig, StaticMaskDecoder
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, vocab=512, max_batch=4,
+                      max_len=256)
+    llama = Llama(cfg).to("cuda", BF16).eval()
+    llama.fill_caches(40)
+    reference = StaticMaskDecoder(copy.deepcopy(llama))
+    backend = cgcompile.Backend(cgcompile.Config(capturable_split_ops=("attention",), small_query_attention=True))
+    compiled = torch.compile(StaticMaskDecoder(llama), backend=backend, dynamic=False)
+    for step in range(6):
+        ids, pos = torch.arange(3, device="cuda") + step, torch.tensor([40 + step], device="cuda")
+        torch.testing.assert_close(compiled(ids, pos).float(), reference(ids, pos).float(), rtol=3e-2, atol=3e-2,
+                                   msg=lambda m: f"step {step}: {m}")
+    assert backend.stats.full_graph_calls >= 4
+    assert backend.stats.layout_copies == 0
+
+
 def _traced_targets(monkeypatch, dtype=BF16, length=40, attention=op.attention_with_kernel):
     """The ops of `attention` traced on fake CUDA tensors, as AOT traces a full graph for the
     GPU (Triton taken as present: CI has none)."""
