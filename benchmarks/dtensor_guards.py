@@ -191,9 +191,8 @@ def main() -> None:
         finally:
             dist.destroy_process_group()
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # One rank: an in-process store, no port that another run on the machine could hold.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         print(f"{'layers':>6} {'params':>6} {'plain us':>9} {'dtensor us':>11} {'dtensor-nospec us':>18}")
         for layers in (int(n) for n in args.layers.split(",")):
