@@ -11,6 +11,17 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size)
 
+def contiguous_strides(sizes, strides) -> bool:
+    """Whether `strides` are the contiguous ones for `sizes` (size-1 dims' strides ignored,
+    as torch's `is_contiguous` ignores them); plain ints only."""
+    expected = 1
+    for size, stride in reversed(list(zip(sizes, strides))):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def free_symbols(value) -> set:
     """Sympy symbols that a fake tensor's sizes/strides or a SymInt depend on."""
     from torch.fx.experimental.symbolic_shapes import free_symbols as _free_symbols

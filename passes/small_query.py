@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .graph_values import example_value
+from .graph_values import contiguous_strides, example_value
 from .sdpa import SDPA_FUNCTIONS, grouped_query_attention, sdpa_arguments
 
 MAX_QUERY_ROWS = 16
@@ -73,7 +73,7 @@ def traced_dim_order(value) -> tuple[int, ...] | None:
     if not isinstance(value, torch.Tensor):
         return None
     sizes, strides = [_concrete(s) for s in value.shape], [_concrete(s) for s in value.stride()]
-    if None in sizes or None in strides or _contiguous(sizes, strides):
+    if None in sizes or None in strides or contiguous_strides(sizes, strides):
         return None
     wide = sorted((d for d, size in enumerate(sizes) if size > 1), key=lambda d: (-strides[d], d))
     return tuple([d for d, size in enumerate(sizes) if size <= 1] + wide)
@@ -95,14 +95,6 @@ def in_dim_order(x, dim_order):
 def _concrete(size) -> int | None:
     return size.node.hint if isinstance(size, torch.SymInt) else size
 
-
-def _contiguous(sizes, strides) -> bool:
-    expected = 1
-    for size, stride in reversed(list(zip(sizes, strides))):
-        if size > 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _at_least_float32(x):

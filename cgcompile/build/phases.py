@@ -47,6 +47,7 @@ from ..passes import (
     split_graph,
     values_sharing_memory,
 )
+from ..passes.graph_values import contiguous_strides
 from ..run.recovery import PieceRecovery, UncapturableOps
 from ..run.runtime import AddressWatch, CallSizing, OutputCopy, PieceRunner
 from ..stats import Piece, PieceRecords
@@ -558,14 +559,7 @@ def _statically_contiguous(value) -> bool:
     if not isinstance(value, torch.Tensor):
         return False
     sizes, strides = value.shape, value.stride()
-    if not all(type(x) is int for x in (*sizes, *strides)):
-        return False
-    expected = 1
-    for size, stride in reversed(list(zip(sizes, strides))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+    return all(type(x) is int for x in (*sizes, *strides)) and contiguous_strides(sizes, strides)
 
 
 @functools.cache
