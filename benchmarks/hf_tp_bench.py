@@ -223,9 +223,6 @@ def kernel_report(forward, model, prompt, args, label: str, device) -> None:
     """The decode step's kernels on this rank (torch.profiler over steps shaped as
     `measure`'s, after a new cache's capturing calls), by class, against the rank's floor:
     its matmul weight bytes at its measured copy bandwidth. Every rank prints its own."""
-    import json
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
     from transformers import StaticCache
 
@@ -243,9 +240,7 @@ def kernel_report(forward, model, prompt, args, label: str, device) -> None:
         for _ in range(steps):
             token = step(token)
         harness.synchronize(device)
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+    trace = step_kernels.trace_of(prof)
     peak = harness.measure_peak_bandwidth(device)
     nbytes = harness.matmul_weight_bytes(model)
     breakdown = step_kernels.classify(trace, steps, ("scaled_dot_product",), {"gemm": nbytes}, peak)

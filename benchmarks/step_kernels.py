@@ -22,13 +22,16 @@ and the gaps between consecutive kernels, by what launched the kernels on either
 (a CUDA graph replay or an eager launch): graph->eager and eager->graph are the piece
 boundaries, graph->graph the gaps between two replays.
 
-Pure: parsing and arithmetic only (stdlib), so tests check it on a hand-made trace.
+Pure: parsing and arithmetic only (stdlib), so tests check it on a hand-made trace;
+`trace_of` reads a profiler run's trace.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import tempfile
 
 KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GEMM = re.compile(r"gemm|gemv|cutlass|xmma|nvjet|cublas|splitk|_mm_|tem_fused|mm_kernel|bmm|matmul|skinny_linear|silu_mul_linear", re.I)
@@ -62,6 +65,14 @@ class StepBreakdown:
     span_ms_per_step: float  # first kernel start to last kernel end, per step
     gap_ms_per_step: dict[str, float]  # idle GPU time between kernels, by boundary kind
     classes: list[KernelClass]
+
+
+def trace_of(prof) -> dict:
+    """The chrome trace of a finished `torch.profiler.profile` run, as `classify` reads it."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as trace_file:
+            return json.load(trace_file)
 
 
 def classify(trace: dict, steps: int, attention_ops: tuple[str, ...], bytes_per_class: dict[str, int],

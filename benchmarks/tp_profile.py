@@ -70,15 +70,9 @@ def class_table(prof, steps: int, model, device) -> list[str]:
     """The profiled steps by kernel class (`step_kernels.classify`), matrix products against
     the rank's weight bytes. Inside a full graph nothing runs on the host, so attention is
     found by its kernels' names."""
-    import json
-    import tempfile
-
     from benchmarks import step_kernels
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        with open(f.name) as trace_file:
-            trace = json.load(trace_file)
+    trace = step_kernels.trace_of(prof)
     peak, nbytes = harness.measure_peak_bandwidth(device), bench.weight_bytes(model)
     breakdown = step_kernels.classify(trace, steps, ("attention", "scaled_dot_product"), {"gemm": nbytes}, peak)
     return step_kernels.format_breakdown(breakdown, harness.floor_ms(nbytes, peak), peak).splitlines()

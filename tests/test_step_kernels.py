@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.step_kernels import classify, format_breakdown
+from benchmarks.step_kernels import classify, format_breakdown, trace_of
 
 
 def _launch(name, ts, corr):
@@ -102,3 +102,13 @@ def test_the_skinny_kernels_are_matmuls_the_gated_one_too():
     ]}
     b = classify(trace, 1, ("decode_attention",), {}, peak_gbs=3000)
     assert {c.name: round(c.ms_per_step, 3) for c in b.classes} == {"gemm": 0.012, "elementwise": 0.001}
+
+
+def test_a_profiler_runs_trace_is_read_for_classify():
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4) + 1
+    trace = trace_of(prof)
+    assert any(e.get("cat") == "cpu_op" and e.get("name") == "aten::add" for e in trace["traceEvents"])
+    assert classify(trace, steps=1, attention_ops=(), bytes_per_class={}, peak_gbs=1.0).kernel_ms_per_step == 0
