@@ -3,20 +3,25 @@
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py                 # 8b and 1b, bf16, NCCL
     torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 70b --batches 1,8   # TP=4, 70B class
     torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 8b --parts pp,tppp   # PP=4; 2 stages x TP=2
+    torchrun --nproc-per-node 4 benchmarks/distributed_bench.py --models 8b --parts tp --tp-head both   # LM heads
     torchrun --nproc-per-node 2 benchmarks/distributed_bench.py --device cpu --tiny   # smoke test (gloo)
 
 TP runs over every rank (TP=N, variant names tpN-...); TP=1 is rank 0 alone. The 70B-class
 shape (hidden 8192, 80 layers, 64 heads, 8 KV heads, intermediate 28672, vocab 128256) fits no
 single GPU: each rank builds only its own shard (the full model on the meta device, sharded
-there, materialised with random weights on the GPU), and only the TP variants run. Every TP
-row carries the per-rank weight-bytes floor: the bytes of the rank's weights that a step reads
-(its shard of every layer, the replicated head; the embedding's few rows left out) over the
-bandwidth of one device-to-device copy measured at start (benchmarks/harness.py), and the
-step over that floor (target <= 1.3 for 70b TP=4 at batch 1).
+there, materialised with random weights on the GPU), and only the TP variants run. The LM
+head is split by vocabulary (--tp-head vocab, the default: each rank computes its 1/N of the
+logits and one all-gather joins them) or replicated on every rank (--tp-head replicated; both:
+each TP=N variant once per head, the replicated one's name ending in -replicated-head). Every
+TP row carries the per-rank weight-bytes floor: the bytes of the rank's weights that a step
+reads (its shard of every layer and its head, 1/N of the head or all of it; the embedding's
+few rows left out) over the bandwidth of one device-to-device copy measured at start
+(benchmarks/harness.py), and the step over that floor (target <= 1.3 for 70b TP=4 at batch 1).
 
 Variants, each on the decode model of cgcompile/testing/decode_model.py with random weights:
-    tpN-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP)
-                    compiled with cgcompile on both ranks: step time at batch 1, 8, 64
+    tpN-cgcompile   TensorParallelDecoder (one all-reduce per attention block and per MLP,
+                    one all-gather of the logits with the vocab-parallel head) compiled with
+                    cgcompile on both ranks: step time at batch 1, 8, 64
     tpN-eager       the same model, eager
     tp1-cgcompile   the unsharded model compiled with cgcompile on rank 0 alone
     tpN-cgcompile-full, tp1-cgcompile-full
@@ -42,7 +47,8 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
 
 --all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md),
 --no-fuse-norm turns Config.fuse_all_reduce_norm off, --no-skinny Config.skinny_linears,
---no-decode-attention-kernel Config.decode_attention_kernel;
+--no-decode-attention-kernel Config.decode_attention_kernel, --tp-head the LM head of the TP=N
+variants (vocab, replicated or both);
 --tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
 small-query one alone, full-whole-sq: that one with the whole graph compiled once more
 (Config.full_graph_compile), tp1: rank 0 alone); --json writes rank 0's rows to a file. NVLink
@@ -94,6 +100,7 @@ MATVEC = False  # Config.matvec_as_reduction of every compiled variant on CUDA (
 FUSE_NORM = True  # Config.fuse_all_reduce_norm of every compiled variant (--no-fuse-norm)
 SKINNY = True  # Config.skinny_linears of every compiled variant (--no-skinny)
 DECODE_KERNEL = True  # Config.decode_attention_kernel of every compiled variant (--no-decode-attention-kernel)
+HEAD_SUFFIX = {"vocab": "", "replicated": "-replicated-head"}  # TP=N variant names by TensorParallelDecoder head
 
 
 def parse_args():
@@ -125,9 +132,13 @@ def parse_args():
                    help="batches one GPU runs alone (rank 0); the one of the most tokens/s is each pipeline "
                         "stage's micro-batch")
     p.add_argument("--tp", type=int, default=2, help="ranks per pipeline stage in --parts tppp")
+    p.add_argument("--tp-head", default="vocab", choices=["vocab", "replicated", "both"],
+                   help="the TP=N variants' LM head: split by vocabulary, replicated on every rank, or both side "
+                        "by side (the replicated rows' names end in -replicated-head)")
     args = p.parse_args()
     if args.tiny:
         args.models, args.steps, args.warmup, args.pp_batches = "tiny", 3, 2, "2,4"
+    args.tp_heads = ("vocab", "replicated") if args.tp_head == "both" else (args.tp_head,)
     return args
 
 
@@ -190,9 +201,10 @@ def full_graph_share(backend) -> str:
 
 
 def tensor_parallel(llama, device, args, report, floor):
-    model = TensorParallelDecoder(llama)
-    sharded_variants(model, device, args, report, floor)
-    del model
+    for head in args.tp_heads:
+        model = TensorParallelDecoder(llama, head=head)
+        sharded_variants(model, device, args, report, floor, head)
+        del model
     variants = args.tp_variants.split(",")
     if dist.get_rank() == 0 and "tp1" in variants:
         single = torch.compile(HostLengthDecoder(llama), backend=make_backend(device))
@@ -206,26 +218,28 @@ def tensor_parallel(llama, device, args, report, floor):
     dist.barrier()
 
 
-def sharded_variants(model, device, args, report, floor):
-    """The TP=N variants of --tp-variants on `model` (this rank's TensorParallelDecoder)."""
-    tp, variants = f"tp{dist.get_world_size()}", args.tp_variants.split(",")
+def sharded_variants(model, device, args, report, floor, head):
+    """The TP=N variants of --tp-variants on `model` (this rank's TensorParallelDecoder with
+    LM head `head`), named tpN-<variant> and the head's suffix."""
+    tp, variants, suffix = f"tp{dist.get_world_size()}", args.tp_variants.split(","), HEAD_SUFFIX[head]
     floor = functools.partial(floor, weight_bytes(model))
     prepare_collectives(device, all_reduce=ALL_REDUCE)
     compiled = torch.compile(model, backend=make_backend(device))
     for batch in map(int, args.batches.split(",")):
-        for name, fn in ((f"{tp}-cgcompile", compiled), (f"{tp}-eager", model)):
-            if name.rpartition("-")[2] in variants:
+        for variant, fn in (("cgcompile", compiled), ("eager", model)):
+            if variant in variants:
                 step_s = step_seconds(fn, device, batch, args)
-                report(name, batch, step_s=step_s, **floor(step_s))
+                report(f"{tp}-{variant}{suffix}", batch, step_s=step_s, **floor(step_s))
     del compiled
     torch._dynamo.reset()
-    for suffix, small_query, whole in full_variants(device, variants):
-        run_full(f"{tp}-cgcompile-{suffix}", model, device, args, report, small_query, floor, whole)
+    for full, small_query, whole in full_variants(device, variants):
+        run_full(f"{tp}-cgcompile-{full}{suffix}", model, device, args, report, small_query, floor, whole)
 
 
 def weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads on this rank: every parameter but the
-    embedding table, of which a step reads only its batch's rows."""
+    """Bytes of weights one decode step reads on this rank: every parameter (the layers'
+    shards, and the LM head's rows this rank holds: 1/N of it split by vocabulary, all of it
+    replicated) but the embedding table, of which a step reads only its batch's rows."""
     return harness.parameter_bytes(model) - harness.parameter_bytes(model.embed)
 
 
@@ -238,15 +252,15 @@ def floor_of(peak_gbs: float | None, nbytes: int, step_s: float) -> dict:
             "over_floor": round(step_s * 1e3 / floor_ms, 2)}
 
 
-def build_shard(cfg, device, dtype):
-    """This rank's TensorParallelDecoder of `cfg` and nothing more: the whole model is built
-    and sharded on the meta device (no memory), then the shard is materialised on `device`
-    with random weights (ones for the norms) and caches filled to FILL positions."""
+def build_shard(cfg, device, dtype, head="vocab"):
+    """This rank's TensorParallelDecoder of `cfg` (LM head `head`) and nothing more: the whole
+    model is built and sharded on the meta device (no memory), then the shard is materialised
+    on `device` with random weights (ones for the norms) and caches filled to FILL positions."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = TensorParallelDecoder(Llama(cfg))
+            model = TensorParallelDecoder(Llama(cfg), head=head)
     finally:
         torch.set_default_dtype(previous)
     model.to_empty(device=device)
@@ -432,7 +446,9 @@ def main():
 
             with torch.inference_mode():
                 if model_name in SHARD_ONLY:
-                    sharded_variants(build_shard(cfg, device, dtype), device, args, report, floor)
+                    for head in args.tp_heads:
+                        sharded_variants(build_shard(cfg, device, dtype, head), device, args, report, floor, head)
+                        harness.release_memory(device)
                 else:
                     whole_model_parts(cfg, device, dtype, args, report, floor)
             if device.type == "cuda":
@@ -445,36 +461,59 @@ def main():
 
 
 def print_ratios(rows):
-    def value(model, variant, batch, key):
-        return next((r.get(key) for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
-
     tp = f"tp{dist.get_world_size()}"
     for model in dict.fromkeys(r["model"] for r in rows):
-        for batch in sorted({r["batch"] for r in rows if r["variant"] == f"{tp}-cgcompile" and r["model"] == model}):
-            tpn, eager, tp1 = (value(model, v, batch, "step_s") for v in (f"{tp}-cgcompile", f"{tp}-eager", "tp1-cgcompile"))
-            over = value(model, f"{tp}-cgcompile", batch, "over_floor")
-            parts = [f"{tp}-cgcompile {tpn * 1e3:.3f} ms"]
-            if tp1:
-                parts.append(f"tp1-cgcompile/{tp}-cgcompile {tp1 / tpn:.2f}x (target at 8b batch 1: >= 1.6 at TP=2, "
-                             f">= 2.5 at TP=4)")
-            if eager:
-                parts.append(f"{tp}-eager/{tp}-cgcompile {eager / tpn:.2f}x (target >= 4)")
-            if over:
-                parts.append(f"{over:.2f}x the per-rank weight-bytes floor of "
-                             f"{value(model, f'{tp}-cgcompile', batch, 'floor_ms'):.3f} ms (target <= 1.3 at 70b TP=4)")
-            print(f"{model} batch {batch}: " + "; ".join(parts))
-            for suffix in ("full", "full-sq", "full-whole-sq"):
-                tpn_full, tp1_full = (value(model, f"{t}-cgcompile-{suffix}", batch, "step_s") for t in (tp, "tp1"))
-                if tpn_full and tp1_full:
-                    print(f"{model} batch {batch}, {suffix}: tp1/{tp} {tp1_full / tpn_full:.2f}x, fastest TP=1 / "
-                          f"fastest {tp} {min(tp1, tp1_full) / min(tpn, tpn_full):.2f}x"
-                          + (f", {tp}-eager/{tp}-cgcompile-{suffix} {eager / tpn_full:.2f}x" if eager else ""))
+        for suffix in HEAD_SUFFIX.values():
+            print_tensor_parallel_ratios(rows, model, tp, suffix)
+        print_head_ratios(rows, model, tp)
         for batch in sorted({r["batch"] for r in rows if r["variant"] == "all-reduce" and r["model"] == model}):
-            us = value(model, "all-reduce", batch, "us_per_all_reduce")
-            fast = value(model, "all-reduce-fast", batch, "us_per_all_reduce")
+            us = value(rows, model, "all-reduce", batch, "us_per_all_reduce")
+            fast = value(rows, model, "all-reduce-fast", batch, "us_per_all_reduce")
             print(f"{model} batch {batch}: one all-reduce {us:.1f} us; a TP step's 64 take {us * 64 / 1e3:.2f} ms"
                   + (f"; fast all-reduce {fast:.1f} us" if fast else ""))
         print_pipeline_ratios([r for r in rows if r["model"] == model], model)
+
+
+def value(rows, model, variant, batch, key):
+    return next((r.get(key) for r in rows if (r["model"], r["variant"], r["batch"]) == (model, variant, batch)), None)
+
+
+def print_tensor_parallel_ratios(rows, model, tp, head):
+    """The TP=N variants whose names end in `head` (a HEAD_SUFFIX) against TP=1 and eager."""
+    cg = f"{tp}-cgcompile{head}"
+    for batch in sorted({r["batch"] for r in rows if r["variant"] == cg and r["model"] == model}):
+        tpn, eager, tp1 = (value(rows, model, v, batch, "step_s") for v in (cg, f"{tp}-eager{head}", "tp1-cgcompile"))
+        over = value(rows, model, cg, batch, "over_floor")
+        parts = [f"{cg} {tpn * 1e3:.3f} ms"]
+        if tp1:
+            parts.append(f"tp1-cgcompile/{cg} {tp1 / tpn:.2f}x (target at 8b batch 1: >= 1.6 at TP=2, >= 2.5 at TP=4)")
+        if eager:
+            parts.append(f"{tp}-eager{head}/{cg} {eager / tpn:.2f}x (target >= 4)")
+        if over:
+            parts.append(f"{over:.2f}x the per-rank weight-bytes floor of "
+                         f"{value(rows, model, cg, batch, 'floor_ms'):.3f} ms (target <= 1.3 at 70b TP=4)")
+        print(f"{model} batch {batch}: " + "; ".join(parts))
+        for suffix in ("full", "full-sq", "full-whole-sq"):
+            tpn_full, tp1_full = (value(rows, model, f"{t}-cgcompile-{suffix}{h}", batch, "step_s")
+                                  for t, h in ((tp, head), ("tp1", "")))
+            if tpn_full and tp1_full:
+                print(f"{model} batch {batch}, {suffix}{head}: tp1/{tp} {tp1_full / tpn_full:.2f}x, fastest TP=1 / "
+                      f"fastest {tp} {min(tp1, tp1_full) / min(tpn, tpn_full):.2f}x"
+                      + (f", {tp}-eager{head}/{tp}-cgcompile-{suffix}{head} {eager / tpn_full:.2f}x" if eager else ""))
+
+
+def print_head_ratios(rows, model, tp):
+    """Each TP=N variant measured with both LM heads (--tp-head both): replicated over vocab."""
+    replicated = HEAD_SUFFIX["replicated"]
+    for row in rows:
+        name = row["variant"]
+        if row["model"] != model or not name.startswith(f"{tp}-") or not name.endswith(replicated):
+            continue
+        twin, step_s = name.removesuffix(replicated), row["step_s"]
+        vocab = value(rows, model, twin, row["batch"], "step_s")
+        if vocab:
+            print(f"{model} batch {row['batch']}, {twin}: replicated head {step_s * 1e3:.3f} ms / vocab-parallel "
+                  f"head {vocab * 1e3:.3f} ms {step_s / vocab:.2f}x")
 
 
 def print_pipeline_ratios(rows, model):

@@ -1,9 +1,10 @@
 """Where a tensor-parallel decode step's GPU time goes: kernels by total time, per rank.
 
-    torchrun --nproc-per-node 2 benchmarks/tp_profile.py [--model 8b] [--batch 1] [--variant full-sq]
+    torchrun --nproc-per-node 2 benchmarks/tp_profile.py [--model 8b] [--batch 1] [--variant full-sq] [--tp-head vocab]
 
 Builds `TensorParallelDecoder` as `distributed_bench.py` does (the 70b class shard by shard), compiles it with the
-variant's Config, warms it up, then runs `--steps` decode steps under torch.profiler.
+variant's Config (the LM head split by vocabulary, or replicated with `--tp-head replicated`),
+warms it up, then runs `--steps` decode steps under torch.profiler.
 Each rank prints its step time (CUDA events), the sum of kernel time per step, the
 largest kernels by total time with their count per step, and the all-reduce decisions
 (`all_reduce_report`). Kernel time far below the step time means the step waits on the
@@ -40,6 +41,8 @@ def parse_args():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--variant", default="full-sq", choices=["piecewise", "full", "full-sq"])
     p.add_argument("--all-reduce", default="auto", choices=["auto", "nccl"])
+    p.add_argument("--tp-head", default="vocab", choices=["vocab", "replicated"],
+                   help="TensorParallelDecoder's LM head: split by vocabulary or replicated on every rank")
     p.add_argument("--no-fuse-norm", action="store_true", help="Config(fuse_all_reduce_norm=False)")
     p.add_argument("--no-skinny", action="store_true", help="Config(skinny_linears=False)")
     p.add_argument("--steps", type=int, default=10)
@@ -85,10 +88,10 @@ def main():
         use_length_independent_attention_kernels()
         cfg = bench.CONFIGS[args.model]
         if args.model in bench.SHARD_ONLY:  # no rank holds the whole model: each builds its shard
-            model = bench.build_shard(cfg, device, torch.bfloat16)
+            model = bench.build_shard(cfg, device, torch.bfloat16, args.tp_head)
         else:
             llama = bench.build_llama(cfg, device, torch.bfloat16)
-            model = TensorParallelDecoder(llama)
+            model = TensorParallelDecoder(llama, head=args.tp_head)
             del llama
         prepare_collectives(device, all_reduce=args.all_reduce)
         step, device_position = compiled_step(model, device, args.variant)
@@ -104,7 +107,7 @@ def main():
             for k in range(args.steps):
                 step(ids, starts[20 + k])
             torch.cuda.synchronize()
-        lines = [f"rank {dist.get_rank()} {args.model} batch {args.batch} {args.variant} "
+        lines = [f"rank {dist.get_rank()} {args.model} batch {args.batch} {args.variant} head={args.tp_head} "
                  f"all_reduce={args.all_reduce} fuse_norm={bench.FUSE_NORM}: step {statistics.median(ms):.3f} ms"]
         lines += kernel_table(prof, args.steps, args.top)
         if args.classes:

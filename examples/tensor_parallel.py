@@ -5,9 +5,10 @@ cgcompile; the tokens are compared with a single-process eager run.
     .venv/bin/torchrun --nproc-per-node 2 examples/tensor_parallel.py --device cuda   # NCCL, CUDA graphs
 
 Each layer is Megatron style: q/k/v and gate/up split by head and unit across ranks,
-o_proj and down by input, one functional all-reduce after each of those two. Nothing
-else is needed: the all-reduces are ordinary ops of the capturable pieces (captured in
-the CUDA graphs on NCCL); `prepare_collectives` makes the communicator before capture.
+o_proj and down by input, one functional all-reduce after each of those two; the LM head
+is split by vocabulary, its logits joined by one functional all-gather. Nothing else is
+needed: the collectives are ordinary ops of the capturable pieces (captured in the CUDA
+graphs on NCCL); `prepare_collectives` makes the communicator before capture.
 """
 # cgcompile-example: needs-torchrun
 

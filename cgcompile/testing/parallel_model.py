@@ -63,16 +63,56 @@ class TensorParallelLayer(nn.Module):
         return x + funcol.all_reduce(F.linear(F.silu(gate) * up, self.down), "sum", self.group_name)
 
 
-class TensorParallelDecoder(nn.Module):
-    """ids: [B], start -> logits [B, vocab]; embedding and head replicated. start is the
-    cache length as a host int (attention the custom op, as HostLengthDecoder) or as a
-    [1] device tensor (static attention, as StaticMaskDecoder)."""
+class VocabParallelHead(nn.Module):
+    """The LM head split by vocabulary (Megatron's and vLLM's vocab-parallel head): this rank
+    keeps its contiguous 1/parts of the head's rows, computes those logits and all-gathers the
+    rest, so a step reads 1/parts of the head instead of all of it on every rank.
 
-    def __init__(self, llama: Llama, group=None):
+    x: [B, hidden] (normed) -> logits [B, vocab], contiguous, the same on every rank.
+    The gather's [parts * B, vocab / parts] result mixes the batch into its first dimension,
+    which cgcompile's padding-safety pass cannot follow: a graph with a dynamic batch that
+    holds this head is captured at exact sizes, not padded."""
+
+    def __init__(self, lm_head: nn.Linear, part: int, parts: int, group_name: str):
         super().__init__()
+        vocab = lm_head.weight.shape[0]
+        if vocab % parts:
+            raise ValueError(f'TensorParallelDecoder: head="vocab": expected a vocabulary divisible by the world '
+                             f'size {parts}, got {vocab}; head="replicated" takes any vocabulary')
+        self.weight = nn.Parameter(_rows(lm_head.weight, part, parts))  # [vocab / parts, hidden]
+        self.group_name = group_name
+
+    def forward(self, x):
+        local = F.linear(x, self.weight)  # [B, vocab / parts]
+        # Gathered along dim 0 ([parts * B, vocab / parts]), then the ranks' blocks side by side:
+        # a copy, or at B = 1 a view, which eager hands back as an AsyncCollectiveTensor not yet
+        # waited for; a compiled graph holds the wait itself and returns a plain tensor.
+        logits = funcol.all_gather_single(local, gather_dim=1, group=self.group_name)  # [B, vocab]
+        return logits.wait() if isinstance(logits, funcol.AsyncCollectiveTensor) else logits
+
+
+HEADS = ("vocab", "replicated")
+
+
+class TensorParallelDecoder(nn.Module):
+    """ids: [B], start -> logits [B, vocab]. start is the cache length as a host int (attention
+    the custom op, as HostLengthDecoder) or as a [1] device tensor (static attention, as
+    StaticMaskDecoder).
+
+    The embedding is replicated: a step reads only its batch's rows of it. head="vocab" splits
+    the LM head by vocabulary (`VocabParallelHead`, one all-gather of the logits per step), so
+    no rank reads the whole vocab x hidden matrix every step; the vocabulary must divide by
+    the world size. head="replicated" keeps the whole head on every rank (any vocabulary)."""
+
+    def __init__(self, llama: Llama, group=None, head: str = "vocab"):
+        super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"TensorParallelDecoder: head: expected one of {HEADS}, got {head!r}")
         group = group or dist.group.WORLD
         part, parts = dist.get_rank(group), dist.get_world_size(group)
-        self.embed, self.norm, self.lm_head = llama.embed, llama.norm, llama.lm_head
+        self.embed, self.norm = llama.embed, llama.norm
+        self.lm_head = llama.lm_head if head == "replicated" else \
+            VocabParallelHead(llama.lm_head, part, parts, group.group_name)
         self.layers = nn.ModuleList(TensorParallelLayer(l, part, parts, group.group_name) for l in llama.layers)
 
     def forward(self, ids, start):
