@@ -80,6 +80,7 @@ class Backend:
             all_reduce=self.config.rewrites.all_reduce, matvec_as_reduction=self.config.compile.matvec_as_reduction,
             fuse_all_reduce_norm=self.config.rewrites.fuse_all_reduce_norm,
             skinny_linears=self.config.compile.skinny_linears,
+            fuse_linear_all_reduce=self.config.rewrites.fuse_linear_all_reduce,
         )
         self.session = session or CaptureSession.for_config(self.config, pool=pool)
         # Eager pieces compiled for full graphs (Config.small_query_attention), shared by all graphs.

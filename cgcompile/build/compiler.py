@@ -179,20 +179,23 @@ class PieceCompiler:
         Inductor's config, and keys the compiles by it; with `fuse_all_reduce_norm` the pass
         also fuses all-reduces with the residual add and RMS norm after them.
     skinny_linears: `Config.skinny_linears`; the same pass hands products of one row to
-        the skinny linear ops (`build.post_grad`).
+        the skinny linear ops (`build.post_grad`), and with both of those and
+        `fuse_linear_all_reduce` folds each such product that only a fused all-reduce reads
+        into it.
     """
 
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
                  inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
                  all_reduce: str = "nccl", matvec_as_reduction: bool = False, fuse_all_reduce_norm: bool = True,
-                 skinny_linears: bool = False):
+                 skinny_linears: bool = False, fuse_linear_all_reduce: bool = True):
         self.compiler = compiler
         self.matvec_as_reduction = matvec_as_reduction
         self.matvec_reductions = 0  # one-row linears compiled as reductions (Config.matvec_as_reduction)
         self.compile_sizes = frozenset(compile_sizes)
         self.inductor_options = dict(inductor_options or {})
         self.size_options = {**self.inductor_options, **(size_options or {})}
-        self.post_grad_pass = post_grad_pass(self.inductor_options, all_reduce, fuse_all_reduce_norm, skinny_linears)
+        self.post_grad_pass = post_grad_pass(self.inductor_options, all_reduce, fuse_all_reduce_norm, skinny_linears,
+                                             fuse_linear_all_reduce)
         self.cache = CompileCache()
 
     @property

@@ -4,11 +4,13 @@ Triton is (see `skinny_linear`).
 `y = w @ x (+ bias)` for one row x: each program owns `BLOCK_N` output features and walks
 the whole of K, so each weight element is read exactly once, by one program. Products are
 added into a float32 accumulator of the tile's shape and summed over K once, after the
-loop: in float32, as cuBLAS accumulates, and rounded once. Both kernels run that loop
-through one function, `_linear_block`; the grouped kernel only picks which weight a
-program's block belongs to, and the SiLU-gated kernel makes each step's x from a gate and
+loop: in float32, as cuBLAS accumulates, and rounded once. Every kernel runs that loop
+through one function, `linear_sum`; the grouped kernel only picks which weight a
+program's block belongs to, the SiLU-gated kernel makes each step's x from a gate and
 an up projection as it loads them (`silu(gate) * up`, each op rounded to x's dtype as
-eager rounds it), so that product is never written out.
+eager rounds it), so that product is never written out, and the Lamport kernel that
+publishes a row-parallel product into its peers' buffers (`parallel.lamport_kernel`)
+stores its block there instead of into `y`.
 
 With `PDL` (programmatic dependent launch, Hopper and later; the launch sets `launch_pdl`)
 the kernel may be launched while the kernel before it still runs: it waits for that kernel (`gdc_wait`) before its first load or store, so
@@ -46,6 +48,28 @@ def _linear_block(
     up_ptr,  # [K]: where GATED, x is silu(x_ptr[k]) * up_ptr[k]; else any pointer
     GATED: tl.constexpr,
 ):
+    y, offs_n, n_ok = linear_sum(x_ptr, w_ptr, bias_ptr, block, N, K, stride_wn, BLOCK_N, BLOCK_K, HAS_BIAS,
+                                 EVEN_K, PDL, up_ptr, GATED)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def linear_sum(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K], unit stride along K
+    bias_ptr,  # [N], or any pointer when not HAS_BIAS
+    block,  # which BLOCK_N output features: block * BLOCK_N onwards
+    N,
+    K,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
+    PDL: tl.constexpr,
+    up_ptr,  # [K]: where GATED, x is silu(x_ptr[k]) * up_ptr[k]; else any pointer
+    GATED: tl.constexpr,
+):
     offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     n_ok = offs_n < N
@@ -70,7 +94,7 @@ def _linear_block(
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    return y, offs_n, n_ok
 
 
 @triton.jit

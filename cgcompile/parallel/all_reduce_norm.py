@@ -29,7 +29,9 @@ import math
 
 import torch
 
+from ..kernels import silu_mul_linear, skinny_linear  # noqa: F401  (the product ops the fold reads)
 from ..passes.all_reduce_norm import find_all_reduce_norms, fuse_all_reduce_norms
+from ..passes.linear_all_reduce_norm import find_linear_all_reduce_norms, fold_linear_all_reduce_norms
 from .all_reduce_choice import AllReduceChoice
 from .lamport_all_reduce import norm_shape_problem
 from .symm_all_reduce import ALL_REDUCE_OP, GROUPS
@@ -66,6 +68,50 @@ def add_rms_norm(total: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 FUSED_OP = torch.ops.cgcompile.all_reduce_add_rms_norm.default
+
+LAMPORT_LINEAR_ADD_RMS_NORM = "lamport_linear_add_rms_norm"  # a per-call kind in `all_reduce_report().calls`
+
+
+@torch.library.custom_op("cgcompile::linear_all_reduce_add_rms_norm", mutates_args=())
+def linear_all_reduce_add_rms_norm(x: torch.Tensor, up: torch.Tensor | None, matrix: torch.Tensor,
+                                   bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                                   eps: float, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`all_reduce_add_rms_norm` of the one-row product `F.linear(x', matrix, bias)`, x' being
+    x or, where `up` is given, silu(x) * up: the product publishes its row into the Lamport
+    slots itself where `LamportNormBuffer.linear_problem` allows, else the product op and
+    the fused op run as they would apart."""
+    group = GROUPS.get(group_name)
+    buffer = group.lamport_norm.get(residual.dtype) if group is not None else None
+    if buffer is not None and buffer.linear_problem(x, up, matrix, bias, residual, weight,
+                                                    group.choice.lamport_max_bytes) is None:
+        group.calls[LAMPORT_LINEAR_ADD_RMS_NORM] += 1
+        return buffer.linear_add_rms_norm(x, up, matrix, bias, residual, weight, eps)
+    if up is None:
+        product = torch.ops.cgcompile.skinny_linear(x, matrix, bias)
+    else:
+        product = torch.ops.cgcompile.silu_mul_linear(x, up, matrix, bias)
+    return all_reduce_add_rms_norm(product.view(residual.shape), residual, weight, eps, group_name)
+
+
+@linear_all_reduce_add_rms_norm.register_fake
+def _(x, up, matrix, bias, residual, weight, eps, group_name):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
+LINEAR_FUSED_OP = torch.ops.cgcompile.linear_all_reduce_add_rms_norm.default
+
+
+def fold_compiled_linears(gm: torch.fx.GraphModule) -> int:
+    """Fold, in an aten graph inside an Inductor compile, each one-row product that only a
+    fused all-reduce + add + norm reads into that call (`passes.linear_all_reduce_norm`): the
+    product then publishes its row into the peers' Lamport slots itself, and the all-reduce's
+    launch only gathers. Runs after the skinny linear rewrites. Returns how many."""
+    found = find_linear_all_reduce_norms(gm, FUSED_OP, torch.ops.cgcompile.skinny_linear.default,
+                                         torch.ops.cgcompile.silu_mul_linear.default)
+    for match in found:
+        log.info("cgcompile: product %s folded into the all-reduce, residual add and RMS norm %s",
+                 match.product, match.fused)
+    return fold_linear_all_reduce_norms(gm, found, LINEAR_FUSED_OP)
 
 
 def fuse_compiled_all_reduce_norms(gm: torch.fx.GraphModule, choice_of) -> int:

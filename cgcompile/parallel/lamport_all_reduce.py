@@ -259,6 +259,8 @@ class LamportNormBuffer(_LamportSlots):
         with _current(self.buffer.device):
             _norm_kernel().warmup(example, example, example[0], example, example, self.peers, self.phases,
                                   self._vectors(example), 1e-6, grid=(1,), **self._constants)
+            _gather_kernel().warmup(example, example[0], example, example, self.peers, self.phases,
+                                    self._vectors(example), 1e-6, grid=(1,), **self._constants)
 
     def check(self) -> None:
         """One fused call of (rank + 1) over every row a slot holds (a collective), residual
@@ -283,6 +285,47 @@ class LamportNormBuffer(_LamportSlots):
                                                    self._vectors(weight), float(eps), **self._constants)
         return total, normed
 
+    def linear_problem(self, x: torch.Tensor, up: torch.Tensor | None, matrix: torch.Tensor,
+                       bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                       max_bytes: int) -> str | None:
+        """Why `linear_add_rms_norm` cannot take this call (None: it can): the product must
+        be one the skinny kernels take, and its row one the fused kernel takes."""
+        from ..kernels.silu_mul_linear import gated_problem
+        from ..kernels.skinny_linear import kernel_problem
+
+        why = kernel_problem(x, matrix, bias) if up is None else gated_problem(x, up, matrix, bias)
+        if why:
+            return f"the product: {why}"
+        if tuple(residual.shape) != (*x.shape[:-1], matrix.shape[0]):
+            return f"a product of {matrix.shape[0]} features beside a residual of shape {list(residual.shape)}"
+        return self.problem(residual, residual, weight, max_bytes)
+
+    def linear_add_rms_norm(self, x: torch.Tensor, up: torch.Tensor | None, matrix: torch.Tensor,
+                            bias: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(all_reduce(F.linear(x', matrix, bias)) + residual, its RMS norm times `weight`),
+        x' being x, or silu(x) * up where `up` is given, for one row, in two launches: the
+        product publishes each block of its row into every rank's slot as it finishes it
+        (`linear_publish_kernel`), then the gather adds and normalises. The protocol is the
+        fused kernel's; the product's launch only stands in for its first step, and a slot
+        it writes is reset by the gather after it, as the peers' are. `linear_problem` must
+        have said None."""
+        from ..kernels.skinny_linear import cdiv, choose_launch, launch_arguments, one_row
+
+        n, k = matrix.shape
+        launch = choose_launch(n, k)
+        lamport = {name: self._constants[name] for name in ("RANK", "WORLD", "SLOT", "BITS", "SENTINEL")}
+        total, normed = torch.empty_like(residual), torch.empty_like(residual)
+        row = one_row(x, k)
+        with _current(self.buffer.device):
+            _publish_kernel()[(cdiv(n, launch.block_n),)](
+                row, one_row(up, k) if up is not None else row, matrix, bias if bias is not None else matrix, n, k,
+                matrix.stride(0), self.peers, self.phases, HAS_BIAS=bias is not None, GATED=up is not None,
+                **lamport, **launch_arguments(launch, k, self.buffer.device))
+            _gather_kernel()[(1,)](residual, weight, total, normed, self.peers, self.phases, self._vectors(weight),
+                                   float(eps), **self._constants)
+        return total, normed
+
 
 def _current(device: torch.device):
     """`device` made current; nothing for CPU tensors (Triton's interpreter, in tests)."""
@@ -293,6 +336,18 @@ def _kernel():
     from .lamport_kernel import lamport_all_reduce_kernel
 
     return lamport_all_reduce_kernel
+
+
+def _publish_kernel():
+    from .lamport_kernel import linear_publish_kernel
+
+    return linear_publish_kernel
+
+
+def _gather_kernel():
+    from .lamport_kernel import lamport_gather_add_rms_norm_kernel
+
+    return lamport_gather_add_rms_norm_kernel
 
 
 def _norm_kernel():

@@ -2,9 +2,13 @@
 `lamport_all_reduce`, whose docstring states the protocol and argues why it is sound, and
 `all_reduce_norm` for the fused residual add and RMS norm).
 
-Both kernels run the same three steps per program (CTA): publish the program's elements
-into every peer's slot, gather and sum the peers' elements as they arrive, reset the own
-slots and step the program's phase. Buffers are read and written as integer bit patterns
+The plain and fused kernels run the same three steps per program (CTA): publish the
+program's elements into every peer's slot, gather and sum the peers' elements as they
+arrive, reset the own slots and step the program's phase. `linear_publish_kernel` and
+`lamport_gather_add_rms_norm_kernel` split the fused kernel's steps over two launches: the
+row-parallel product that makes the row publishes each block of it into every rank's slot,
+its own included, as it finishes it, and the second kernel only gathers, adds and resets
+(see `LamportNormBuffer.linear_add_rms_norm`). Buffers are read and written as integer bit patterns
 (`BITS`: int16 for bf16, int32 for fp32), so that the sentinel test compares bits:
 -0.0 == +0.0 as floats, and the sentinel is -0.0's bit pattern.
 
@@ -18,6 +22,8 @@ launches the step's other kernels keep, with a launch gap on either side.
 
 import triton
 import triton.language as tl
+
+from ..kernels.skinny_linear_kernel import linear_sum
 
 
 @triton.jit(do_not_specialize=["vectors"])
@@ -47,7 +53,7 @@ def lamport_all_reduce_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    _finish(peers_ptr, phase_ptr, pid, phase, offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL)
+    _finish(peers_ptr, phase_ptr, pid, phase, offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL, False)
 
 
 @triton.jit(do_not_specialize=["vectors"])
@@ -83,11 +89,96 @@ def lamport_add_rms_norm_kernel(
     total = _exchange(x_ptr, offs, slot_offs, mask, phase, peers_ptr, RANK, WORLD, SLOT, BITS, SENTINEL)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    _add_rms_norm(total, residual_ptr, weight_ptr, sum_ptr, norm_ptr, offs, cols, mask, hidden, eps)
+    _finish(peers_ptr, phase_ptr, row, phase, slot_offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL, False)
 
-    # What the unfused graph computes, rounding included: the all-reduce's result and the sum
-    # with the residual in the input's dtype, the norm in fp32, its result cast back before the
-    # weight (torch's and transformers' RMS norms), the product rounded once more.
-    dtype = x_ptr.dtype.element_ty
+
+@triton.jit
+def linear_publish_kernel(
+    x_ptr,  # [K] the product's one input row (where GATED, the gate)
+    up_ptr,  # [K] where GATED, the up projection: the input is silu(x) * up; else any pointer
+    w_ptr,  # [N, K] this rank's shard of the row-parallel weight, unit stride along K
+    bias_ptr,  # [N], or any pointer when not HAS_BIAS
+    N,
+    K,
+    stride_wn,
+    peers_ptr,  # [WORLD] int64: every rank's norm buffer, mapped in this process
+    phase_ptr,  # [rows] int32: the phase of each row's slots; the product is row 0
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GATED: tl.constexpr,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    SLOT: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Step 1 of the fused kernel, made by the product itself: each program's BLOCK_N
+    features of `w @ x (+ bias)` (the skinny kernels' `linear_sum`), rounded to x's dtype,
+    go into slot (phase, RANK) of every rank's buffer, this rank's own included, at row 0's
+    elements. No output tensor is written."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # also orders the phase read after the last gather's step
+    y, offs_n, n_ok = linear_sum(x_ptr, w_ptr, bias_ptr, tl.program_id(0), N, K, stride_wn, BLOCK_N, BLOCK_K,
+                                 HAS_BIAS, EVEN_K, PDL, up_ptr, GATED)
+    bits = y.to(x_ptr.dtype.element_ty).to(BITS, bitcast=True)
+    bits = tl.where(bits == SENTINEL, tl.zeros_like(bits), bits)  # -0.0 -> +0.0, as `_exchange` publishes
+    phase = tl.load(phase_ptr)
+    for dst in tl.static_range(WORLD):
+        peer = _buffer(peers_ptr, dst, BITS)
+        tl.store(peer + (phase * WORLD + RANK) * SLOT + offs_n, bits, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["vectors"])
+def lamport_gather_add_rms_norm_kernel(
+    residual_ptr,  # [rows, hidden] added to the sum
+    weight_ptr,  # [hidden] the norm's scale
+    sum_ptr,  # [rows, hidden] out: all_reduce(x) + residual
+    norm_ptr,  # [rows, hidden] out: rms_norm(sum) * weight
+    peers_ptr,
+    phase_ptr,  # [programs] int32, one per row
+    vectors,  # hidden in 16-byte vectors
+    eps,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+    PHASES: tl.constexpr,
+    SLOT: tl.constexpr,
+    ROW: tl.constexpr,
+    VEC: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Steps 2 and 3 of the fused kernel where `linear_publish_kernel` did step 1: every
+    rank's part, this rank's own too, is read from the own buffer; the own slot is reset
+    with the peers'."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0)
+    cols = tl.arange(0, ROW)
+    hidden = vectors * VEC
+    mask = cols < hidden
+    offs = row * hidden + cols
+    slot_offs = row * ROW + cols
+    phase = tl.load(phase_ptr + row)
+    total = _gather(_buffer(peers_ptr, RANK, BITS), phase, slot_offs, mask, tl.zeros(offs.shape, dtype=BITS),
+                    residual_ptr.dtype.element_ty, RANK, WORLD, SLOT, SENTINEL, True)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _add_rms_norm(total, residual_ptr, weight_ptr, sum_ptr, norm_ptr, offs, cols, mask, hidden, eps)
+    _finish(peers_ptr, phase_ptr, row, phase, slot_offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL, True)
+
+
+@triton.jit
+def _add_rms_norm(total, residual_ptr, weight_ptr, sum_ptr, norm_ptr, offs, cols, mask, hidden, eps):
+    """What the unfused graph computes from the all-reduce's fp32 sum, rounding included: the
+    all-reduce's result and the sum with the residual in the input's dtype, the norm in fp32,
+    its result cast back before the weight (torch's and transformers' RMS norms), the
+    product rounded once more."""
+    dtype = residual_ptr.dtype.element_ty
     residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     h = (total.to(dtype).to(tl.float32) + residual.to(tl.float32)).to(dtype)
     tl.store(sum_ptr + offs, h, mask=mask)
@@ -96,7 +187,6 @@ def lamport_add_rms_norm_kernel(
     normed = (hf * tl.rsqrt(variance + eps)).to(dtype)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     tl.store(norm_ptr + offs, (weight.to(tl.float32) * normed.to(tl.float32)).to(dtype), mask=mask)
-    _finish(peers_ptr, phase_ptr, row, phase, slot_offs, mask, RANK, WORLD, PHASES, SLOT, BITS, SENTINEL)
 
 
 @triton.jit
@@ -114,31 +204,41 @@ def _exchange(x_ptr, offs, slot_offs, mask, phase, peers_ptr, RANK: tl.constexpr
             peer = _buffer(peers_ptr, dst, BITS)
             tl.store(peer + (phase * WORLD + RANK) * SLOT + slot_offs, bits, mask=mask)
 
-    # 2. Gather, summing in rank order in fp32 (every rank adds the same values in the same
-    # order: identical results).
-    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    # 2. Gather.
+    return _gather(own, phase, slot_offs, mask, bits, x_ptr.dtype.element_ty, RANK, WORLD, SLOT, SENTINEL, False)
+
+
+@triton.jit
+def _gather(own, phase, slot_offs, mask, bits, dtype: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+            SLOT: tl.constexpr, SENTINEL: tl.constexpr, OWN_SLOT: tl.constexpr):
+    """Sum every rank's elements in rank order in fp32 (every rank adds the same values in
+    the same order: identical results), each peer's read from the own buffer as it arrives;
+    this rank's from `bits` (registers), or with OWN_SLOT from its slot too."""
+    acc = tl.zeros(slot_offs.shape, dtype=tl.float32)
     for src in tl.static_range(WORLD):
-        if src == RANK:
-            acc += bits.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        if src == RANK and not OWN_SLOT:
+            acc += bits.to(dtype, bitcast=True).to(tl.float32)
         else:
             slot = own + (phase * WORLD + src) * SLOT + slot_offs
             got = tl.load(slot, mask=mask, other=0, volatile=True)  # masked lanes read 0: never waiting
             while tl.max((got == SENTINEL).to(tl.int32), axis=0) > 0:
                 got = tl.load(slot, mask=mask, other=0, volatile=True)
-            acc += got.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+            acc += got.to(dtype, bitcast=True).to(tl.float32)
     return acc
 
 
 @triton.jit
 def _finish(peers_ptr, phase_ptr, pid, phase, slot_offs, mask, RANK: tl.constexpr, WORLD: tl.constexpr,
-            PHASES: tl.constexpr, SLOT: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr):
-    """3. Reset this phase's peer slots of the own buffer, once every thread of the program
-    has read its elements (the barrier), then step this program's phase."""
+            PHASES: tl.constexpr, SLOT: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
+            OWN_SLOT: tl.constexpr):
+    """3. Reset this phase's peer slots of the own buffer (with OWN_SLOT this rank's own slot
+    too), once every thread of the program has read its elements (the barrier), then step
+    this program's phase."""
     tl.debug_barrier()
     own = _buffer(peers_ptr, RANK, BITS)
     unwritten = tl.full(slot_offs.shape, SENTINEL, BITS)
     for src in tl.static_range(WORLD):
-        if src != RANK:
+        if src != RANK or OWN_SLOT:
             tl.store(own + (phase * WORLD + src) * SLOT + slot_offs, unwritten, mask=mask)
     tl.store(phase_ptr + pid, (phase + 1) % PHASES)
 

@@ -3,8 +3,8 @@ tests/parallel/test_all_reduce_norm.py under torchrun, whose time limit turns a 
 failure): eager calls of every size class (the fused kernel's, and those it leaves to the
 unfused ops) against NCCL's sum and the unfused ops; fused calls inside two CUDA graphs
 replayed in alternating orders, between plain Lamport all-reduces and eager calls; and a
-compiled tensor-parallel block under the default Config (fused) against the same block
-compiled with the fusion off."""
+compiled tensor-parallel block under the default Config (one-row products folded into the
+fused call) against the same block with the fold off and with the fusion off."""
 
 import os
 import sys
@@ -18,7 +18,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import cgcompile  # noqa: E402
-from cgcompile.parallel.all_reduce_norm import LAMPORT_ADD_RMS_NORM, add_rms_norm  # noqa: E402
+from cgcompile.parallel.all_reduce_norm import (  # noqa: E402
+    LAMPORT_ADD_RMS_NORM, LAMPORT_LINEAR_ADD_RMS_NORM, add_rms_norm,
+)
 from cgcompile.parallel.distributed import prepare_collectives, setup_all_reduce, torchrun_worker  # noqa: E402
 from cgcompile.testing.decode_model import RMSNorm  # noqa: E402
 from lamport_cuda_worker import calls, capture, group_name, lamport, nccl, rank_values  # noqa: E402
@@ -126,24 +128,32 @@ class Block(torch.nn.Module):
 
 
 def compiled_layers_fuse_and_equal_the_unfused_compile(device):
+    """The block compiled three ways: the default (a one-row product folded into the fused
+    call after it, `linear_all_reduce_add_rms_norm`), the fold off, the fusion off. The
+    folded calls equal the fused ones bit for bit (the same product kernel's rounding, the
+    same sum), and both the unfused compile to rounding."""
     block = Block(2048, device)
-    results = {}
-    for fuse in (True, False):
+    configs = {"folded": {}, "fused": {"fuse_linear_all_reduce": False}, "unfused": {"fuse_all_reduce_norm": False}}
+    results, ran = {}, {}
+    for name, options in configs.items():
         torch._dynamo.reset()
-        config = cgcompile.Config(capture_sizes=(1, 8), capture_error_mode="thread_local", fuse_all_reduce_norm=fuse)
+        config = cgcompile.Config(capture_sizes=(1, 8), capture_error_mode="thread_local", **options)
         compiled = torch.compile(block, backend=cgcompile.Backend(config), dynamic=True)
-        before = calls(LAMPORT_ADD_RMS_NORM)
-        results[fuse] = []
+        before = (calls(LAMPORT_ADD_RMS_NORM), calls(LAMPORT_LINEAR_ADD_RMS_NORM))
+        results[name] = []
         for rows in (1, 3, 8, 1):
             generator = torch.Generator(device="cpu").manual_seed(rows)
             x = torch.randn(rows, 1024, generator=generator).to(device, torch.bfloat16)
             residual = torch.randn(rows, 2048, generator=generator).to(device, torch.bfloat16)
-            results[fuse].append([t.clone() for t in compiled(x, residual)])
-        ran = calls(LAMPORT_ADD_RMS_NORM) - before
-        assert (ran > 0) == fuse, f"fuse={fuse}: {ran} fused calls"
-    for got, want in zip(results[True], results[False]):
-        torch.testing.assert_close(got[0], want[0], atol=4e-2, rtol=4e-2)
-        torch.testing.assert_close(got[1], want[1], atol=4e-2, rtol=4e-2)
+            results[name].append([t.clone() for t in compiled(x, residual)])
+        ran[name] = (calls(LAMPORT_ADD_RMS_NORM) - before[0], calls(LAMPORT_LINEAR_ADD_RMS_NORM) - before[1])
+    assert ran["folded"][1] > 0 and ran["fused"][0] > 0 and ran["fused"][1] == 0, ran
+    assert ran["unfused"] == (0, 0), ran
+    for folded, fused, unfused in zip(results["folded"], results["fused"], results["unfused"]):
+        for got, want in zip(folded, fused):
+            assert torch.equal(got, want), (got - want).abs().max()
+        torch.testing.assert_close(fused[0], unfused[0], atol=4e-2, rtol=4e-2)
+        torch.testing.assert_close(fused[1], unfused[1], atol=4e-2, rtol=4e-2)
     return "compiled layers fuse and equal the unfused compile"
 
 
