@@ -20,6 +20,16 @@ run no Python) the op runs the fused kernel where it takes the call
 (`LamportNormBuffer.problem`, which also checks contiguity and alignment); any other call runs
 the group's all-reduce (`cgcompile::all_reduce`: one-shot, two-shot or NCCL) and then the add
 and the norm as torch ops, the graph's own arithmetic.
+
+The product before it. Where the fused call's input is a one-row product on the skinny
+kernels that nothing else reads (a batch-1 step's output and down projections), the same
+pass folds the product into the call (`Config.fuse_linear_all_reduce`,
+`cgcompile::linear_all_reduce_add_rms_norm`): the product's programs store their blocks of
+the row straight into every rank's slot (`linear_publish_kernel`), and the second launch
+only gathers, adds and normalises. That takes the fused kernel's read of the row and its
+publishing step, with the hand-off between the two launches before them, off each
+all-reduce's path; the sums are the fused kernel's, bit for bit. A call the two kernels
+cannot take runs the product op, then the fused op.
 """
 
 from __future__ import annotations
