@@ -16,6 +16,11 @@ from torch import nn
 from .decode_model import MODEL_CONFIGS, HostLengthDecoder, Llama, static_attention
 
 
+# torch 2.13 names funcol's all-gather of one tensor `all_gather_single` and keeps
+# `all_gather_tensor` as an alias that warns at every call; torch 2.11 has only the latter.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def _rows(weight: torch.Tensor, part: int, parts: int) -> torch.Tensor:
     return weight.chunk(parts, dim=0)[part].clone()
 
@@ -87,7 +92,7 @@ class VocabParallelHead(nn.Module):
         # Gathered along dim 0 ([parts * B, vocab / parts]), then the ranks' blocks side by side:
         # a copy, or at B = 1 a view, which eager hands back as an AsyncCollectiveTensor not yet
         # waited for; a compiled graph holds the wait itself and returns a plain tensor.
-        logits = funcol.all_gather_single(local, gather_dim=1, group=self.group_name)  # [B, vocab]
+        logits = _all_gather(local, gather_dim=1, group=self.group_name)  # [B, vocab]
         return logits.wait() if isinstance(logits, funcol.AsyncCollectiveTensor) else logits
 
 
