@@ -73,6 +73,9 @@ def parse_args():
     p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
+    p.add_argument("--fuse-linear", default="on", choices=["on", "off", "both"],
+                   help="Config.fuse_linear_all_reduce of the TP=2 variants (both: side by side; the variant "
+                        "ends in -fold-off where it is off)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
@@ -259,16 +262,21 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
     if prefix == "tp1":
         drops = drops[:1]  # one GPU: no DTensor parameters, so no spec guards either way
     module_guards = {"kept": [True], "skipped": [False], "both": [True, False]}[args.module_guards]
-    for all_reduce, dropped, kept in ((a, d, k) for a in all_reduces for d in drops for k in module_guards):
+    folds = {"on": [True], "off": [False], "both": [True, False]}[args.fuse_linear]
+    if prefix == "tp1":
+        folds = folds[:1]  # one GPU: no all-reduce to fold a product into
+    for all_reduce, dropped, kept, fold in ((a, d, k, f) for a in all_reduces for d in drops for k in module_guards
+                                            for f in folds):
         torch._dynamo.reset()
         backend = cgcompile.Backend(cgcompile.Config(all_reduce=all_reduce, compiler=args.compiler,
                                                      capture_error_mode="thread_local",
                                                      skinny_linears=not args.no_skinny,
+                                                     fuse_linear_all_reduce=fold,
                                                      dtensor_spec_guards="cgcompile" if dropped else "dynamo"))
         options = {} if kept else {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
         model.forward = torch.compile(eager_forward, backend=backend, options=options or None)
         variant = (f"{prefix}-cgcompile" + ("" if dropped else "-dynamo-spec")
-                   + ("" if kept else "-nn-guards-skipped"))
+                   + ("" if kept else "-nn-guards-skipped") + ("" if fold else "-fold-off"))
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
@@ -320,8 +328,9 @@ def print_summary(rows, args):
         return next((r[key] for r in rows if (r["variant"], r["all_reduce"]) == (variant, all_reduce)), None)
 
     for all_reduce in args.all_reduce.split(","):
-        for spec, modules in ((spec, modules) for spec in ("", "-dynamo-spec") for modules in ("", "-nn-guards-skipped")):
-            name, one = f"{args.prefix}-cgcompile{spec}{modules}", f"tp1-cgcompile{modules}"  # alike guards on one GPU
+        for spec, modules, fold in ((s, m, f) for s in ("", "-dynamo-spec") for m in ("", "-nn-guards-skipped")
+                                    for f in ("", "-fold-off")):
+            name, one = f"{args.prefix}-cgcompile{spec}{modules}{fold}", f"tp1-cgcompile{modules}"  # alike guards
             tp, single = ms(name, all_reduce), ms(one, "auto")
             if tp and single:
                 host, single_host = ms(name, all_reduce, "host_ms_per_call"), ms(one, "auto", "host_ms_per_call")
