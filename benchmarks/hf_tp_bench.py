@@ -73,9 +73,9 @@ def parse_args():
     p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
-    p.add_argument("--fuse-linear", default="on", choices=["on", "off", "both"],
-                   help="Config.fuse_linear_all_reduce of the TP=2 variants (both: side by side; the variant "
-                        "ends in -fold-off where it is off)")
+    p.add_argument("--fuse-linear", default="on", choices=["on", "off", "both", "off,on"],
+                   help="Config.fuse_linear_all_reduce of the TP=2 variants: both (on, then off) or off,on side by "
+                        "side, in that order; the variant ends in -fold-off where it is off")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
@@ -262,9 +262,9 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
     if prefix == "tp1":
         drops = drops[:1]  # one GPU: no DTensor parameters, so no spec guards either way
     module_guards = {"kept": [True], "skipped": [False], "both": [True, False]}[args.module_guards]
-    folds = {"on": [True], "off": [False], "both": [True, False]}[args.fuse_linear]
+    folds = {"on": [True], "off": [False], "both": [True, False], "off,on": [False, True]}[args.fuse_linear]
     if prefix == "tp1":
-        folds = folds[:1]  # one GPU: no all-reduce to fold a product into
+        folds = [True]  # one GPU: no all-reduce to fold a product into; named as the default
     for all_reduce, dropped, kept, fold in ((a, d, k, f) for a in all_reduces for d in drops for k in module_guards
                                             for f in folds):
         torch._dynamo.reset()

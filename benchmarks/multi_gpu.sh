@@ -31,7 +31,7 @@
 #   tp_8b_n4_matvec, tp_70b_n4_matvec  (N=4) the same at TP=4, and the 70B class's full graph
 #   tp_8b_n4_pdl   (N=4) tp_8b_n4_matvec with TORCHINDUCTOR_ENABLE_PDL=1
 #   hf_fold_n2     the same with Config.fuse_linear_all_reduce on and off side by side (fast
-#                  all-reduce, spec guards dropped)
+#                  all-reduce, spec guards dropped; FOLD_ORDER="off,on" runs the fold's off variant first)
 #   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
@@ -143,7 +143,7 @@ if ((N >= 4)); then
 fi
 step hf_tp_n2 && run hf_tp_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --json "$OUT/hf_tp_n2.json"
 step hf_fold_n2 && run hf_fold_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto \
-    --spec-guards dropped --fuse-linear both --json "$OUT/hf_fold_n2.json"
+    --spec-guards dropped --fuse-linear "${FOLD_ORDER:-both}" --json "$OUT/hf_fold_n2.json"
 step hf_profile_n2 && run hf_profile_n2 300 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --profile --guard-probe \
     --repeats 1
 step hf_kernels_n2 && run hf_kernels_n2 240 "${TORCHRUN[@]}" --nproc-per-node 2 "${HF[@]}" --all-reduce auto --kernels \
