@@ -46,7 +46,7 @@ Variants, each on the decode model of cgcompile/testing/decode_model.py with ran
                     torch symmetric memory where the group allows it; CUDA only)
 
 --all-reduce auto|nccl sets Config.all_reduce for every compiled variant (docs/parallel.md),
---no-fuse-norm turns Config.fuse_all_reduce_norm off, --no-fuse-linear Config.fuse_linear_all_reduce, --no-skinny Config.skinny_linears,
+--no-fuse-norm turns Config.fuse_all_reduce_norm off, --fuse-linear turns Config.fuse_linear_all_reduce on, --no-skinny Config.skinny_linears,
 --no-decode-attention-kernel Config.decode_attention_kernel, --tp-head the LM head of the TP=N
 variants (vocab, replicated or both);
 --tp-variants picks TP variants (cgcompile, eager, full: both full-graph ones, full-sq: the
@@ -98,7 +98,7 @@ FILL = 256
 ALL_REDUCE = "auto"  # Config.all_reduce of every compiled variant (--all-reduce)
 MATVEC = False  # Config.matvec_as_reduction of every compiled variant on CUDA (--matvec-as-reduction)
 FUSE_NORM = True  # Config.fuse_all_reduce_norm of every compiled variant (--no-fuse-norm)
-FUSE_LINEAR = True  # Config.fuse_linear_all_reduce of every compiled variant (--no-fuse-linear)
+FUSE_LINEAR = False  # Config.fuse_linear_all_reduce of every compiled variant (--fuse-linear)
 SKINNY = True  # Config.skinny_linears of every compiled variant (--no-skinny)
 DECODE_KERNEL = True  # Config.decode_attention_kernel of every compiled variant (--no-decode-attention-kernel)
 HEAD_SUFFIX = {"vocab": "", "replicated": "-replicated-head"}  # TP=N variant names by TensorParallelDecoder head
@@ -118,9 +118,9 @@ def parse_args():
                         "coordinate-descent tuning: one-row linears as reductions (docs/performance.md)")
     p.add_argument("--no-fuse-norm", action="store_true",
                    help="Config(fuse_all_reduce_norm=False): each all-reduce, residual add and RMS norm apart")
-    p.add_argument("--no-fuse-linear", action="store_true",
-                   help="Config(fuse_linear_all_reduce=False): the one-row product before a fused all-reduce "
-                        "writes its output, which the all-reduce's kernel then publishes")
+    p.add_argument("--fuse-linear", action="store_true",
+                   help="Config(fuse_linear_all_reduce=True): the one-row product before a fused all-reduce "
+                        "writes its row into the peers' Lamport slots itself")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
     p.add_argument("--no-decode-attention-kernel", action="store_true",
@@ -425,7 +425,7 @@ def main():
     args = parse_args()
     global ALL_REDUCE, MATVEC, FUSE_NORM, FUSE_LINEAR, SKINNY, DECODE_KERNEL
     ALL_REDUCE, MATVEC, FUSE_NORM = args.all_reduce, args.matvec_as_reduction, not args.no_fuse_norm
-    FUSE_LINEAR = not args.no_fuse_linear
+    FUSE_LINEAR = args.fuse_linear
     SKINNY, DECODE_KERNEL = not args.no_skinny, not args.no_decode_attention_kernel
     dtype = torch.float32 if args.tiny or args.device == "cpu" else torch.bfloat16
     rows = []

@@ -73,9 +73,9 @@ def parse_args():
     p.add_argument("--save-dir", default=None, help="where rank 0 saves the model (default under /tmp)")
     p.add_argument("--no-skinny", action="store_true",
                    help="Config(skinny_linears=False): one-row linears keep cuBLAS")
-    p.add_argument("--fuse-linear", default="on", choices=["on", "off", "both", "off,on"],
+    p.add_argument("--fuse-linear", default="off", choices=["on", "off", "both", "off,on"],
                    help="Config.fuse_linear_all_reduce of the TP=2 variants: both (on, then off) or off,on side by "
-                        "side, in that order; the variant ends in -fold-off where it is off")
+                        "side, in that order; the variant ends in -fold where it is on")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="rank 0 prints cProfile's top functions of a greedy run's decode calls per compiled variant "
@@ -264,7 +264,7 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
     module_guards = {"kept": [True], "skipped": [False], "both": [True, False]}[args.module_guards]
     folds = {"on": [True], "off": [False], "both": [True, False], "off,on": [False, True]}[args.fuse_linear]
     if prefix == "tp1":
-        folds = [True]  # one GPU: no all-reduce to fold a product into; named as the default
+        folds = [False]  # one GPU: no all-reduce to fold a product into
     for all_reduce, dropped, kept, fold in ((a, d, k, f) for a in all_reduces for d in drops for k in module_guards
                                             for f in folds):
         torch._dynamo.reset()
@@ -276,7 +276,7 @@ def compiled_variants(model, prompt, args, device, report, prefix: str, all_redu
         options = {} if kept else {"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe}
         model.forward = torch.compile(eager_forward, backend=backend, options=options or None)
         variant = (f"{prefix}-cgcompile" + ("" if dropped else "-dynamo-spec")
-                   + ("" if kept else "-nn-guards-skipped") + ("" if fold else "-fold-off"))
+                   + ("" if kept else "-nn-guards-skipped") + ("-fold" if fold else ""))
         tokens, ms, host_ms = measure(model.forward, model, prompt, args, device)
         if args.profile:
             profile_calls(model.forward, model, prompt, args, f"{variant} all_reduce={all_reduce}", device)
@@ -329,7 +329,7 @@ def print_summary(rows, args):
 
     for all_reduce in args.all_reduce.split(","):
         for spec, modules, fold in ((s, m, f) for s in ("", "-dynamo-spec") for m in ("", "-nn-guards-skipped")
-                                    for f in ("", "-fold-off")):
+                                    for f in ("", "-fold")):
             name, one = f"{args.prefix}-cgcompile{spec}{modules}{fold}", f"tp1-cgcompile{modules}"  # alike guards
             tp, single = ms(name, all_reduce), ms(one, "auto")
             if tp and single:

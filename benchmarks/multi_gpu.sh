@@ -13,9 +13,9 @@
 #   tp_8b_n2_mmattn  the TP=2 and TP=1 steps with Config.decode_attention_kernel off (full-sq's
 #                  attention as batched matmuls), beside tp_8b_n2_auto's decode attention kernel
 #   tp_8b_n4_auto  (N=4) the same at TP=4: with the step above, TP=1/2/4 side by side
-#   tp_8b_n2_nofold, tp_8b_n4_nofold (N=4)  the TP=N steps with Config.fuse_linear_all_reduce off
-#                  (the product before each fused all-reduce writes its row; the all-reduce publishes
-#                  it), beside the auto steps' folded ones
+#   tp_8b_n2_fold, tp_8b_n4_fold (N=4)  the TP=N steps with Config.fuse_linear_all_reduce on (the
+#                  product before each fused all-reduce publishes its row itself), beside the auto
+#                  steps' unfolded ones
 #   tp_8b_n4_heads (N=4) the TP=4 steps with the LM head split by vocabulary and replicated, side by
 #                  side in one run (--tp-head both), and TP=1
 #   tp_8b_n4_mmattn  (N=4) the TP=4 and TP=1 steps with Config.decode_attention_kernel off
@@ -31,7 +31,7 @@
 #   tp_8b_n4_matvec, tp_70b_n4_matvec  (N=4) the same at TP=4, and the 70B class's full graph
 #   tp_8b_n4_pdl   (N=4) tp_8b_n4_matvec with TORCHINDUCTOR_ENABLE_PDL=1
 #   hf_fold_n2     the same with Config.fuse_linear_all_reduce on and off side by side (fast
-#                  all-reduce, spec guards dropped; FOLD_ORDER="off,on" runs the fold's off variant first)
+#                  all-reduce, spec guards dropped; FOLD_ORDER="off,on" runs the default, unfolded variant first)
 #   hf_kernels_n2  the same model's decode step by kernel class on each rank, TP=2 and one GPU
 #   hf_profile_n2  the same, with cProfile's top functions of the compiled decode calls at TP=2 and on
 #                  one GPU (where a DTensor model's extra host time per call goes)
@@ -102,8 +102,8 @@ step tp_8b_n2_auto && run tp_8b_n2_auto 200 "${TORCHRUN[@]}" --nproc-per-node 2 
     --json "$OUT/tp_8b_n2_auto.json"
 step tp_8b_n2_unfused && run tp_8b_n2_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_TP[@]}" \
     --no-fuse-norm --json "$OUT/tp_8b_n2_unfused.json"
-step tp_8b_n2_nofold && run tp_8b_n2_nofold 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_TP[@]}" \
-    --no-fuse-linear --json "$OUT/tp_8b_n2_nofold.json"
+step tp_8b_n2_fold && run tp_8b_n2_fold 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B_TP[@]}" \
+    --fuse-linear --json "$OUT/tp_8b_n2_fold.json"
 step tp_8b_n2_cublas && run tp_8b_n2_cublas 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
     --no-skinny --json "$OUT/tp_8b_n2_cublas.json"
 step tp_8b_n2_mmattn && run tp_8b_n2_mmattn 200 "${TORCHRUN[@]}" --nproc-per-node 2 "${TP8B[@]}" --all-reduce auto \
@@ -113,8 +113,8 @@ step tp_8b_n2_matvec && run tp_8b_n2_matvec 200 "${TORCHRUN[@]}" --nproc-per-nod
 if ((N >= 4)); then
   step tp_8b_n4_auto && run tp_8b_n4_auto 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --json "$OUT/tp_8b_n4_auto.json"
-  step tp_8b_n4_nofold && run tp_8b_n4_nofold 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_TP[@]}" \
-      --no-fuse-linear --json "$OUT/tp_8b_n4_nofold.json"
+  step tp_8b_n4_fold && run tp_8b_n4_fold 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_TP[@]}" \
+      --fuse-linear --json "$OUT/tp_8b_n4_fold.json"
   step tp_8b_n4_heads && run tp_8b_n4_heads 240 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B[@]}" --all-reduce auto \
       --tp-head both --json "$OUT/tp_8b_n4_heads.json"
   step tp_8b_n4_unfused && run tp_8b_n4_unfused 200 "${TORCHRUN[@]}" --nproc-per-node 4 "${TP8B_TP[@]}" \

@@ -495,13 +495,15 @@ class Rewrites(_Group):
         several sizes keep the three apart. Results agree with the unfused graph's to rounding
         (the norm's sum runs in another order). Inductor pieces only; see
         `cgcompile.parallel.all_reduce_norm`.""")
-    fuse_linear_all_reduce: bool = option(True, _bool, doc="""
+    fuse_linear_all_reduce: bool = option(False, _bool, doc="""
         Where such a fused all-reduce's only input is a one-row product on the skinny kernel
         (`skinny_linears`: a batch-1 step's row-parallel output or down projection), the
         product writes its row into every rank's Lamport slots itself, and the all-reduce's
-        kernel only gathers, adds and normalises: one pass over the row and the launch
-        hand-off before the exchange go. Results are those of the pair apart, bit for bit.
-        Needs `fuse_all_reduce_norm` and `skinny_linears`.""")
+        kernel only gathers, adds and normalises. Results are those of the pair apart, bit
+        for bit. Off by default: on 4 H200s it took 1-2% off a Megatron-style decoder's step
+        (`TensorParallelDecoder`, TP=2 and 4), while transformers' `tp_plan` Llama ran 2-5%
+        slower with it in both runs, for a reason not yet found. Needs
+        `fuse_all_reduce_norm` and `skinny_linears`.""")
     dtensor_spec_guards: str = option("cgcompile", _choice("cgcompile", "dynamo"), doc="""
         Who checks the DTensor specs (mesh, placements) of a graph's DTensor parameters at every
         call. "cgcompile": the graph's runtime compares them (by identity while the spec objects

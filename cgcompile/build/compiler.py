@@ -187,7 +187,7 @@ class PieceCompiler:
     def __init__(self, compiler: str, compile_sizes: tuple[int, ...] = (),
                  inductor_options: dict[str, Any] | None = None, size_options: dict[str, Any] | None = None,
                  all_reduce: str = "nccl", matvec_as_reduction: bool = False, fuse_all_reduce_norm: bool = True,
-                 skinny_linears: bool = False, fuse_linear_all_reduce: bool = True):
+                 skinny_linears: bool = False, fuse_linear_all_reduce: bool = False):
         self.compiler = compiler
         self.matvec_as_reduction = matvec_as_reduction
         self.matvec_reductions = 0  # one-row linears compiled as reductions (Config.matvec_as_reduction)

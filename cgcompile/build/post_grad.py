@@ -101,7 +101,7 @@ class PostGradPass(CustomGraphPass):
 
 
 def post_grad_pass(options: dict[str, Any], all_reduce: str, fuse_norm: bool = True,
-                   skinny_linears: bool = False, fold_linears: bool = True) -> PostGradPass | None:
+                   skinny_linears: bool = False, fold_linears: bool = False) -> PostGradPass | None:
     """The pass piece compiles run under (None: nothing to rewrite, or the user's Inductor
     `options` set their own post-grad pass)."""
     routes = all_reduce != NCCL

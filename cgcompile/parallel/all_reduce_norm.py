@@ -23,7 +23,7 @@ and the norm as torch ops, the graph's own arithmetic.
 
 The product before it. Where the fused call's input is a one-row product on the skinny
 kernels that nothing else reads (a batch-1 step's output and down projections), the same
-pass folds the product into the call (`Config.fuse_linear_all_reduce`,
+pass can fold the product into the call (`Config.fuse_linear_all_reduce`, off by default,
 `cgcompile::linear_all_reduce_add_rms_norm`): the product's programs store their blocks of
 the row straight into every rank's slot (`linear_publish_kernel`), and the second launch
 only gathers, adds and normalises. That takes the fused kernel's read of the row and its

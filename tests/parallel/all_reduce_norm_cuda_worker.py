@@ -3,8 +3,8 @@ tests/parallel/test_all_reduce_norm.py under torchrun, whose time limit turns a 
 failure): eager calls of every size class (the fused kernel's, and those it leaves to the
 unfused ops) against NCCL's sum and the unfused ops; fused calls inside two CUDA graphs
 replayed in alternating orders, between plain Lamport all-reduces and eager calls; and a
-compiled tensor-parallel block under the default Config (one-row products folded into the
-fused call) against the same block with the fold off and with the fusion off."""
+compiled tensor-parallel block with one-row products folded into the fused call against the
+same block under the default Config (fused, no fold) and with the fusion off."""
 
 import os
 import sys
@@ -128,12 +128,13 @@ class Block(torch.nn.Module):
 
 
 def compiled_layers_fuse_and_equal_the_unfused_compile(device):
-    """The block compiled three ways: the default (a one-row product folded into the fused
-    call after it, `linear_all_reduce_add_rms_norm`), the fold off, the fusion off. The
+    """The block compiled three ways: a one-row product folded into the fused call after it
+    (`Config.fuse_linear_all_reduce`, `linear_all_reduce_add_rms_norm`), the default (fused,
+    no fold), the fusion off. The
     folded calls equal the fused ones bit for bit (the same product kernel's rounding, the
     same sum), and both the unfused compile to rounding."""
     block = Block(2048, device)
-    configs = {"folded": {}, "fused": {"fuse_linear_all_reduce": False}, "unfused": {"fuse_all_reduce_norm": False}}
+    configs = {"folded": {"fuse_linear_all_reduce": True}, "fused": {}, "unfused": {"fuse_all_reduce_norm": False}}
     results, ran = {}, {}
     for name, options in configs.items():
         torch._dynamo.reset()
