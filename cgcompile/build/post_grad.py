@@ -36,7 +36,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from ..kernels import grouped_skinny_linear, silu_mul_linear, skinny_linear
 from ..parallel import all_reduce_norm
 from ..parallel.all_reduce_choice import NCCL
-from ..parallel.all_reduce_norm import fold_compiled_linears
 from ..parallel.inductor_all_reduce import RouteCompiledAllReduces
 from ..passes import silu_mul_linear as gated_rewrite
 from ..passes import skinny_groups as group_rewrite
@@ -74,7 +73,7 @@ class PostGradPass(CustomGraphPass):
         if self.skinny_linears:
             self._rewrite_linears(gm)
         if self.fold_linears:
-            self.folded_linears += fold_compiled_linears(gm)
+            self.folded_linears += all_reduce_norm.fold_compiled_linears(gm)
 
     def _rewrite_linears(self, gm: torch.fx.GraphModule) -> None:
         # Groups first: the products no group takes are left for the single op.
