@@ -13,6 +13,9 @@ cuBLAS per linear, the skinny kernel per linear, and `grouped_skinny_linear`'s o
 for them all (`GROUPS`), each as one CUDA graph over copies of the weights as above.
 
     python benchmarks/skinny_sweep.py --groups 1b-hf,8b-tp2,8b-tp4 --json /tmp/groups.json   # ~1 min
+
+--no-pdl launches every kernel without programmatic dependent launch, for a side by side run
+with the default.
 """
 
 from __future__ import annotations
@@ -138,7 +141,14 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--json", default=None)
     p.add_argument("--groups", default=None, help=f"time sibling linears instead, of: {','.join(GROUPS)}")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="launch the kernels without programmatic dependent launch (each waits for the one "
+                        "before to finish, as before f9d9e32), to compare a chain of products with and without it")
     args = p.parse_args(argv)
+    if args.no_pdl:
+        from cgcompile.kernels import skinny_linear
+
+        skinny_linear.dependent_launch = lambda device: False  # read by launch_arguments at every launch
     device, dtype = torch.device("cuda"), torch.bfloat16
     if args.groups:
         rows = sweep_groups(args.groups, device, args.replays)
