@@ -10,9 +10,10 @@ run eagerly every decode step, in every layer (~15 us of host time each on an H1
 When the query has one token, the G query heads of a KV head are G independent rows that
 read the same keys, so `fold_grouped_query_attention` replaces the repeats and the SDPA
 call with one `grouped_query_attention` call over the un-repeated cache (see there),
-followed by `.unsqueeze(3).flatten(1, 2)` back to one row per query head: a copy where the
-kernel lays rows out head-minor, made by the next captured piece since its shape is
-static. Each output row is the same attention as before; the kernel groups its work
+followed by `.unsqueeze(3).flatten(1, 2)` back to one row per query head. For a batch of
+one the call returns the heads in order (`heads_outer`), so that is a view; for more it
+returns them rows outer, and it is a copy, made by the next captured piece since its shape
+is static. Each output row is the same attention as before; the kernel groups its work
 differently, so results agree to rounding, not bit for bit.
 
 Left alone: queries of more than one token (the mask would have to be repeated G
@@ -63,12 +64,14 @@ def _fold(gm: GraphModule, call: Node) -> bool:
         return False
 
     kwargs = {"attn_mask": mask, "scale": args.get("scale")}
+    if _is_int(q.shape[0], 1):  # one sequence: the result in head order, unflattened by a view
+        kwargs["heads_outer"] = True
     graph = gm.graph
     with graph.inserting_before(call):
         grouped = graph.call_function(grouped_query_attention, (query, key_source, value_source), kwargs)
         grouped.meta.update({k: v for k, v in call.meta.items() if k != "val"})
         grouped.meta["example_value"] = _fake_run(grouped_query_attention, (query, key_source, value_source), kwargs)
-        # Back to one row per query head: a copy where the kernel lays rows out head-minor,
+        # Back to one row per query head: a copy where the result is laid out rows outer,
         # so it belongs to the next (captured) piece, not to the eager one.
         unfolded = _method(graph, "unsqueeze", grouped, 3)
         unfolded = _method(graph, "flatten", unfolded, 1, 2)

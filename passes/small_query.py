@@ -101,17 +101,17 @@ def _at_least_float32(x):
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def grouped_small_query_attention(query, key, value, attn_mask=None, scale=None):
-    """`grouped_query_attention`'s contract ([B, Hk, G, D] out, rows outer in memory) with
-    `small_query_attention` in place of SDPA."""
-    return grouped_layout(small_query_attention(query, key, value, attn_mask, scale), key.shape[1])
+def grouped_small_query_attention(query, key, value, attn_mask=None, scale=None, heads_outer=False):
+    """`grouped_query_attention`'s contract ([B, Hk, G, D] out, rows outer in memory or,
+    with `heads_outer`, contiguous) with `small_query_attention` in place of SDPA."""
+    return grouped_layout(small_query_attention(query, key, value, attn_mask, scale), key.shape[1], heads_outer)
 
 
-def grouped_layout(out, key_heads: int):
+def grouped_layout(out, key_heads: int, heads_outer: bool = False):
     """One query row's attention [B, H, 1, Dv] in `grouped_query_attention`'s layout."""
     batch, heads, _, value_dim = out.shape
-    grouped = out.view(batch, key_heads, heads // key_heads, value_dim)
-    return grouped.transpose(1, 2).contiguous().transpose(1, 2)
+    grouped = out.reshape(batch, key_heads, heads // key_heads, value_dim)
+    return grouped.contiguous() if heads_outer else grouped.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def lower_small_query_attention(gm: GraphModule, max_query: int = MAX_QUERY_ROWS,

@@ -14,8 +14,9 @@ valid at every size. `attention_with_kernel` is what the lowering calls in the g
 where the traced operands suit the kernel, the batched matmuls where they never will.
 
 `cgcompile::grouped_decode_attention` is the same attention in `grouped_query_attention`'s
-contract (one token, the query heads of a key head as rows, the result laid out rows outer):
-the kernels write that layout directly, where the matmuls' result is copied into it.
+contract (one token, the query heads of a key head as rows, the result laid out rows outer,
+or contiguous with `heads_outer`): the kernels write that layout directly, where the
+matmuls' result is copied into it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Sequence
 import torch
 
 from ..passes.matvec_reduction import HALF_DTYPES
-from ..passes.small_query import (empty_in_dim_order, grouped_layout, grouped_small_query_attention, in_dim_order,
+from ..passes.small_query import (empty_in_dim_order, grouped_small_query_attention, in_dim_order,
                                   small_query_attention)
 from .skinny_linear import cdiv, dependent_launch, next_power_of_2, triton_available
 
@@ -91,7 +92,7 @@ def choose_splits(programs: int, length: int, device: torch.device) -> int:
 def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attn_mask: torch.Tensor | None, scale: float,
                                  chunk: int | None = None, grouped: bool = False,
-                                 dim_order: Sequence[int] | None = None) -> torch.Tensor:
+                                 dim_order: Sequence[int] | None = None, heads_outer: bool = False) -> torch.Tensor:
     """The kernels on operands that `kernel_problem` accepts; `chunk` (positions a split, a
     multiple of `BLOCK_L`) overrides the choice. Returns [..., H, T, Dv], contiguous or laid
     out as `in_dim_order(out, dim_order)` lays it out, written there by the kernels; with
@@ -104,7 +105,7 @@ def decode_attention_kernel_call(query: torch.Tensor, key: torch.Tensor, value: 
     key_heads, length, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = heads // key_heads
     if grouped:
-        out = grouped_output(q, key_heads, value_dim)
+        out = grouped_output(q, key_heads, value_dim, heads_outer)
         out_strides = (out.stride(0), out.stride(1), out.stride(2), 0)
     else:
         result = ordered_output(query, value_dim, dim_order)
@@ -147,10 +148,13 @@ def ordered_output(query: torch.Tensor, value_dim: int, dim_order: Sequence[int]
     return query.new_empty(shape) if dim_order is None else empty_in_dim_order(query, shape, dim_order)
 
 
-def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int) -> torch.Tensor:
+def grouped_output(query: torch.Tensor, key_heads: int, value_dim: int, heads_outer: bool = False) -> torch.Tensor:
     """An empty [B, Hk, G, Dv] for a query [B, H, 1, D], laid out rows outer ([B, G, Hk, Dv] in
-    memory) as `grouped_layout` makes it: the layout every form of grouped attention returns."""
+    memory) or, with `heads_outer`, contiguous, as `grouped_layout` makes it: the layout every
+    form of grouped attention returns."""
     batch, heads = query.shape[:2]
+    if heads_outer:
+        return query.new_empty(batch, key_heads, heads // key_heads, value_dim)
     return query.new_empty(batch, heads // key_heads, key_heads, value_dim).transpose(1, 2)
 
 
@@ -174,22 +178,23 @@ def _(query, key, value, attn_mask, scale, dim_order=None):
 
 @torch.library.custom_op("cgcompile::grouped_decode_attention", mutates_args=())
 def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attn_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """`grouped_small_query_attention(query, key, value, attn_mask, scale)` of a query [B, H, 1, D]:
-    [B, Hk, G, Dv] laid out rows outer. The kernels write that layout themselves, where the
-    other forms copy into it (one launch a layer)."""
+                             attn_mask: torch.Tensor | None, scale: float, heads_outer: bool = False) -> torch.Tensor:
+    """`grouped_small_query_attention(query, key, value, attn_mask, scale, heads_outer)` of a
+    query [B, H, 1, D]: [B, Hk, G, Dv] laid out rows outer, or contiguous with `heads_outer`.
+    The kernels write that layout themselves, where the other forms copy into it (one
+    launch a layer)."""
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(f"grouped decode attention takes a query [B, H, 1, D], not {tuple(query.shape)}: "
                          "call cgcompile::decode_attention for several tokens")
     if kernel_problem(query, key, value, attn_mask) is None:
-        return decode_attention_kernel_call(query, key, value, attn_mask, scale, grouped=True)
-    out = grouped_output(query, key.shape[1], value.shape[-1])
-    return out.copy_(grouped_layout(small_query_attention(query, key, value, attn_mask, scale), key.shape[1]))
+        return decode_attention_kernel_call(query, key, value, attn_mask, scale, grouped=True, heads_outer=heads_outer)
+    out = grouped_output(query, key.shape[1], value.shape[-1], heads_outer)
+    return out.copy_(small_query_attention(query, key, value, attn_mask, scale).reshape(out.shape))
 
 
 @grouped_decode_attention.register_fake
-def _(query, key, value, attn_mask, scale):
-    return grouped_output(query, key.shape[1], value.shape[-1])
+def _(query, key, value, attn_mask, scale, heads_outer=False):
+    return grouped_output(query, key.shape[1], value.shape[-1], heads_outer)
 
 
 def attention_with_kernel(query, key, value, attn_mask=None, scale=None, dim_order=None):
@@ -199,16 +204,17 @@ def attention_with_kernel(query, key, value, attn_mask=None, scale=None, dim_ord
                         query, key, value, attn_mask, scale, dim_order)
 
 
-def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None):
+def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None, heads_outer=False):
     """`grouped_small_query_attention`'s contract, as `attention_with_kernel` chooses."""
+    layout = (heads_outer,) if heads_outer else ()
     return _with_kernel(torch.ops.cgcompile.grouped_decode_attention, grouped_small_query_attention,
-                        query, key, value, attn_mask, scale)
+                        query, key, value, attn_mask, scale, extra=layout)
 
 
-def _with_kernel(op, matmuls, query, key, value, attn_mask, scale, dim_order=None):
+def _with_kernel(op, matmuls, query, key, value, attn_mask, scale, dim_order=None, extra=()):
     """`op` where the traced operands suit the kernels (its scale made explicit), else `matmuls`;
-    `dim_order` passed on to either where given."""
-    layout = () if dim_order is None else (list(dim_order),)
+    `dim_order` (or the `extra` layout arguments) passed on to either where given."""
+    layout = extra if dim_order is None else (list(dim_order),)
     if kernel_problem(query, key, value, attn_mask, dim_order) is not None:
         return matmuls(query, key, value, attn_mask, scale, *layout)
     return op(query, key, value, attn_mask, query.shape[-1] ** -0.5 if scale is None else scale, *layout)

@@ -29,7 +29,7 @@ def reference(q, k, v, mask, scale):
 
 
 def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_dim, mask_kind, chunk, strided_query,
-         grouped=False, dim_order=None):
+         grouped=False, dim_order=None, heads_outer=False):
     heads = key_heads * group
     if strided_query:  # [B, T, H, D] transposed, as a model's projection makes it
         q = torch.randn(batch, tokens, heads, head_dim, generator=gen).to(dtype).transpose(1, 2)
@@ -53,12 +53,12 @@ def case(gen, dtype, batch, key_heads, group, tokens, length, head_dim, value_di
         k[:, :, max(1, length // 3):] = float("nan")
         v[:, :, max(1, length // 3):] = float("nan")
     got = decode_attention_kernel_call(q, k, v, mask, head_dim ** -0.5 if scale is None else scale, chunk, grouped,
-                                       dim_order)
+                                       dim_order, heads_outer)
     if dim_order is not None:  # written in the layout in_dim_order makes, as the op's fake promises
         expected_strides = in_dim_order(want, dim_order).stride()
         assert got.stride() == expected_strides, (got.stride(), expected_strides)
-    if grouped:  # [B, Hk, G, Dv], rows outer: the layout grouped_layout makes of want
-        expected_strides = grouped_layout(want, key_heads).stride()
+    if grouped:  # [B, Hk, G, Dv], rows outer or heads outer: the layout grouped_layout makes of want
+        expected_strides = grouped_layout(want, key_heads, heads_outer).stride()
         assert got.stride() == expected_strides, (got.stride(), expected_strides)
         got = got.reshape(batch, heads, 1, value_dim)
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, got.dtype)
@@ -69,7 +69,8 @@ def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     gen = torch.Generator().manual_seed(0)
     cases = [
-        # dtype, batch, key heads, group, tokens, length, head dim, value dim, mask, chunk, strided query[, grouped]
+        # dtype, batch, key heads, group, tokens, length, head dim, value dim, mask, chunk, strided query[, grouped,
+        # dim order, heads outer]
         (torch.float16, 1, 2, 2, 1, 200, 32, 32, "bool", None, True),  # several splits, the last partial
         (torch.float16, 2, 1, 4, 1, 70, 16, 16, None, None, False),
         (torch.float16, 2, 2, 1, 3, 130, 24, 40, "float", BLOCK_L, False),  # dims not powers of two
@@ -77,6 +78,8 @@ def main() -> None:
         (torch.float16, 1, 2, 2, 1, 300, 16, 16, "bool", BLOCK_L, False),  # splits every row masks out
         (torch.float16, 2, 2, 4, 1, 150, 32, 32, "bool", None, True, True),  # grouped layout, several splits
         (torch.float16, 2, 3, 2, 1, 40, 16, 24, "float", None, False, True),  # grouped layout, one split
+        (torch.float16, 1, 2, 4, 1, 150, 32, 32, "bool", None, True, True, None, True),  # heads outer, several splits
+        (torch.float16, 1, 3, 2, 1, 40, 16, 24, "float", None, False, True, None, True),  # heads outer, one split
         (torch.float16, 2, 2, 2, 3, 150, 16, 16, "bool", None, True, False, (0, 2, 1, 3)),  # [B, T, H, D] in memory
         (torch.float16, 1, 2, 4, 2, 60, 16, 16, None, BLOCK_L, False, False, (2, 0, 1, 3)),  # [T, B, H, D]
     ]

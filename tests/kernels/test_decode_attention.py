@@ -84,6 +84,16 @@ def test_the_grouped_op_falls_back_to_the_grouped_layout():
     torch.testing.assert_close(got, want)
 
 
+def test_the_grouped_op_falls_back_to_the_heads_in_order():
+    q, k, v = _operands(batch=1, length=33)
+    mask = torch.randn(1, 8, 1, 33)
+    got = torch.ops.cgcompile.grouped_decode_attention(q, k, v, mask, 0.25, True)
+    want = grouped_small_query_attention(q, k, v, mask, 0.25, heads_outer=True)
+    assert got.shape == (1, 2, 4, 16) and got.is_contiguous() and want.is_contiguous()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got.reshape(1, 8, 1, 16), small_query_attention(q, k, v, mask, 0.25))
+
+
 def test_the_grouped_op_takes_one_token():
     q, k, v = _operands(tokens=2)
     with pytest.raises(ValueError, match=r"takes a query \[B, H, 1, D\], not \(1, 8, 2, 16\)"):
@@ -145,15 +155,18 @@ def test_the_kernels_equal_sdpa_on_the_gpu(batch, heads, key_heads, tokens, leng
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("chunk", [None, 512])  # the chosen splits, and one split
-def test_the_grouped_layout_on_the_gpu(chunk):
+@pytest.mark.parametrize("heads_outer", [False, True])
+def test_the_grouped_layout_on_the_gpu(chunk, heads_outer):
     torch.manual_seed(0)
-    q, k, v = _operands("cuda", BF16, 2, 32, 8, 1, 300, 128)
-    mask = torch.zeros(2, 1, 1, 300, dtype=torch.bool, device="cuda")
+    batch = 1 if heads_outer else 2
+    q, k, v = _operands("cuda", BF16, batch, 32, 8, 1, 300, 128)
+    mask = torch.zeros(batch, 1, 1, 300, dtype=torch.bool, device="cuda")
     mask[..., :200] = True
-    got = op.decode_attention_kernel_call(q, k, v, mask, 0.1, chunk, grouped=True)
-    want = grouped_small_query_attention(q, k, v, mask, 0.1)
-    assert got.shape == want.shape and got.stride() == want.stride()
-    torch.testing.assert_close(got.double(), _reference(q, k, v, mask, 0.1).view(2, 8, 4, 128), rtol=2e-2, atol=2e-2)
+    got = op.decode_attention_kernel_call(q, k, v, mask, 0.1, chunk, grouped=True, heads_outer=heads_outer)
+    want = grouped_small_query_attention(q, k, v, mask, 0.1, heads_outer=heads_outer)
+    assert got.shape == want.shape and got.stride() == want.stride() and got.is_contiguous() == heads_outer
+    torch.testing.assert_close(got.double(), _reference(q, k, v, mask, 0.1).view(batch, 8, 4, 128),
+                               rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.cuda

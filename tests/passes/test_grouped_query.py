@@ -186,3 +186,52 @@ def test_compiled_piece_after_the_fold_survives_a_kernel_change_on_cuda():
     with sdpa_kernel(SDPBackend.MATH):
         torch.testing.assert_close(compiled(q, k, v, mask), expected, rtol=2e-2, atol=2e-2)
     assert backend.stats.graphs_seen == 1
+
+
+ONE_SEQUENCE_MASKS = {
+    "none": lambda: None,
+    "boolean, broadcast over heads": lambda: boolean_mask(1, 1, 1, LENGTH),
+    "float, one per head": lambda: torch.randn(1, KV_HEADS * GROUPS, 1, LENGTH),
+    "float, one per head, 3-d": lambda: torch.randn(KV_HEADS * GROUPS, 1, LENGTH),
+    "boolean, 2-d": lambda: boolean_mask(1, LENGTH),
+}
+
+
+@pytest.mark.parametrize("mask", ONE_SEQUENCE_MASKS)
+def test_a_batch_of_one_folds_to_the_heads_in_order_and_unflattens_by_a_view(mask):
+    q, k, v = inputs(batch=1)
+    m = ONE_SEQUENCE_MASKS[mask]()
+    args = (q, k, v) if m is None else (q, k, v, m)
+    gm = traced(lambda q, k, v, m=None: attention(q, k, v, m), *args)
+    assert fold_grouped_query_attention(gm) == 1
+    grouped = next(n for n in gm.graph.nodes if n.target is grouped_query_attention)
+    assert grouped.kwargs["heads_outer"] is True
+    result = grouped.meta["example_value"]
+    assert result.shape == (1, KV_HEADS, GROUPS, HEAD_DIM) and result.is_contiguous()
+    flat = next(n for n in gm.graph.nodes if n.op == "call_method" and n.target == "flatten")
+    assert flat.meta["example_value"].is_contiguous()  # the next piece reads it as it is: no copy
+    torch.testing.assert_close(call_traced(gm, *args), attention(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_larger_batches_keep_the_rows_outer_layout():
+    q, k, v = inputs(batch=2)
+    gm = traced(lambda q, k, v: attention(q, k, v), q, k, v)
+    assert fold_grouped_query_attention(gm) == 1
+    grouped = next(n for n in gm.graph.nodes if n.target is grouped_query_attention)
+    assert "heads_outer" not in grouped.kwargs
+    with pytest.raises(ValueError, match="batch of one"):
+        grouped_query_attention(q, k, v, heads_outer=True)
+
+
+@pytest.mark.parametrize("backend", ["math", "default"])
+def test_heads_outer_layout_does_not_depend_on_the_kernel(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = inputs(batch=1)
+    mask = torch.randn(1, KV_HEADS * GROUPS, 1, LENGTH)
+    context = sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext()
+    with context:
+        out = grouped_query_attention(q, k, v, attn_mask=mask, heads_outer=True)
+    assert out.shape == (1, KV_HEADS, GROUPS, HEAD_DIM) and out.is_contiguous()
+    torch.testing.assert_close(out.unsqueeze(3).flatten(1, 2).transpose(1, 2) * 2, attention(q, k, v, mask),
+                               rtol=1e-5, atol=1e-6)
