@@ -26,7 +26,10 @@ Rules, in order:
                 output shape is fixed, but a CUDA graph would replay the value it
                 was captured with
   input_mutation the op writes (in place, into a schema-marked argument, or `out=`: see
-                `mutation.py`) into a graph input that is not a parameter or buffer, or
+                `mutation.py`) into a graph input that is copied into the graph rather
+                than read at its own address (as parameters, buffers, tensors marked
+                static and, under CUDA graphs, fixed-shape tensors the graph writes in
+                place are: the `mutable_inputs` the caller passes leave those out), or
                 into a value an earlier piece made (one made before the last eager
                 node); a graph would write into its private copy instead. Views of
                 such a graph input or value that an op writes into (or through) are

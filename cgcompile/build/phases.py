@@ -46,6 +46,7 @@ from ..passes import (
     read_scalars_from_device,
     split_graph,
     values_sharing_memory,
+    written_inputs,
 )
 from ..passes.graph_values import contiguous_strides
 from ..run.recovery import PieceRecovery, UncapturableOps
@@ -77,7 +78,7 @@ class GraphAnalysis:
 
     capture_dim: CaptureDim | None
     capture_index: int | None  # position of the capture dimension's input among the graph's inputs
-    static_inputs: frozenset[str]  # placeholder names of parameters and buffers
+    static_inputs: frozenset[str]  # placeholder names of inputs read at their own address: parameters, buffers, state
     device: torch.device  # the accelerator the graph runs on, or cpu
     cudagraphs: bool
     uncaptured: str | None = None  # why a graph that could have CUDA graphs has none (autograd)
@@ -197,12 +198,40 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: list, config: Config) -> G
             f"cudagraphs=True: expected the graph's tensors on a CUDA device, got {device}; "
             f"move the model and inputs to CUDA or leave cudagraphs=None"
         )
+    if cudagraphs:
+        static |= state_written_in_place(gm, example_inputs, device, capture_dim)
     if device.type == "cpu" and config.compile.compiler == "inductor":
         _hint_eager_on_cpu()
     index = None
     if capture_dim is not None:
         index = next(i for i, n in enumerate(placeholders) if input_name(n) == capture_dim.input_name)
     return GraphAnalysis(capture_dim, index, static, device, cudagraphs)
+
+
+def state_written_in_place(gm: torch.fx.GraphModule, example_inputs: list, device: torch.device,
+                           capture_dim: CaptureDim | None) -> frozenset[str]:
+    """Graph inputs the graph writes in place that are read and written at their own address,
+    as parameters and buffers are: plain tensors on the graph's accelerator, of fixed shape,
+    other than the capture input. A KV cache that was not marked static (transformers'
+    StaticCache marks its tensors only when made outside a compile, so not when the compiled
+    forward runs the prefill) is such an input: its writes then go into the captured piece
+    before attention, fused with the rotary embedding, where a copied input would have kept
+    them eager (the graph would write into its copy). The address watch
+    (`weights.ParameterAddresses`) covers them as it covers parameters: a call with the
+    tensor elsewhere runs without graphs, and the graphs are captured again once it stays."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    capture_input = capture_dim.input_name if capture_dim is not None else None
+    chosen = set()
+    for i in written_inputs(gm):
+        node, x, traced = placeholders[i], example_inputs[i], example_value(placeholders[i])
+        if (type(x) is torch.Tensor and x.device == device and input_name(node) != capture_input
+                and isinstance(traced, torch.Tensor) and not _symbolic(traced)):
+            chosen.add(node.name)
+    return frozenset(chosen)
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 # Why a graph that needs gradients runs without CUDA graphs (`without_graphs_for_autograd`).
