@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 _DYNAMO_ADVICE = ("Dynamo reuses compiled code for every instance of a module class: give each model its own "
                   "backend (torch.compile(m, backend=cgcompile.Backend())) to get graphs for each. Tensors "
-                  "marked static (torch._dynamo.mark_static_address) are watched too: transformers' StaticCache "
-                  "marks its tensors, and generate() makes a new cache at every call; pass one cache to every "
+                  "marked static (torch._dynamo.mark_static_address), and tensors the graph writes in place (a "
+                  "KV cache), are watched too: generate() makes a new cache at every call; pass one cache to every "
                   "call (generate(past_key_values=cache), after cache.reset()) to keep the graphs.")
 
 
@@ -103,9 +103,10 @@ class ParameterAddresses:
         if self.name not in self._warned:
             self._warned.add(self.name)
             log.warning(
-                "cgcompile: %s was captured with other parameters than this call passes (%s), so this call "
-                "runs without CUDA graphs.%s Tensors replaced by new ones are captured again from the "
-                "second call that passes them; weights updated in place (param.data.copy_) keep the graphs.",
+                "cgcompile: %s was captured with other parameters or state tensors than this call passes "
+                "(%s), so this call runs without CUDA graphs.%s Tensors replaced by new ones are captured "
+                "again from the second call that passes them; weights updated in place (param.data.copy_) "
+                "keep the graphs.",
                 self.name, self._first_difference(addresses), f" {self.advice}" if self.advice else "")
         return False
 
