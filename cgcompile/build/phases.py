@@ -212,7 +212,7 @@ def state_written_in_place(gm: torch.fx.GraphModule, example_inputs: list, devic
                            capture_dim: CaptureDim | None) -> frozenset[str]:
     """Graph inputs the graph writes in place that are read and written at their own address,
     as parameters and buffers are: plain tensors on the graph's accelerator, of fixed shape,
-    other than the capture input. A KV cache that was not marked static (transformers'
+    that autograd does not track, other than the capture input. A KV cache that was not marked static (transformers'
     StaticCache marks its tensors only when made outside a compile, so not when the compiled
     forward runs the prefill) is such an input: its writes then go into the captured piece
     before attention, fused with the rotary embedding, where a copied input would have kept
@@ -224,8 +224,8 @@ def state_written_in_place(gm: torch.fx.GraphModule, example_inputs: list, devic
     chosen = set()
     for i in written_inputs(gm):
         node, x, traced = placeholders[i], example_inputs[i], example_value(placeholders[i])
-        if (type(x) is torch.Tensor and x.device == device and input_name(node) != capture_input
-                and isinstance(traced, torch.Tensor) and not _symbolic(traced)):
+        if (type(x) is torch.Tensor and x.device == device and not x.requires_grad
+                and input_name(node) != capture_input and isinstance(traced, torch.Tensor) and not _symbolic(traced)):
             chosen.add(node.name)
     return frozenset(chosen)
 

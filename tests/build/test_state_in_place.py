@@ -79,3 +79,23 @@ def test_without_cuda_graphs_the_write_stays_eager():
     writers = [p for p in backend.pieces if "index_copy_" in p.graph.code]
     assert writers and not any(p.capturable for p in writers)
     assert any("input_mutation" in (p.reason or "") for p in writers)
+
+
+def test_an_input_autograd_tracks_keeps_its_write_eager(monkeypatch):
+    """A written input that requires grad is not read at its own address: autograd records
+    the write, so it stays where the graph copies its inputs (and runs eagerly)."""
+    fake_graphs.fake_cuda_graphs(monkeypatch)
+
+    def step(x, state):
+        state.mul_(2)
+        return F.scaled_dot_product_attention(x, state, state).sum(-2) + state.sum(-2)
+
+    backend = cgcompile.Backend(cgcompile.Config(compiler="eager"))
+    compiled = torch.compile(step, backend=backend)
+    x = torch.randn(1, 1, 2, 4)
+    w = torch.randn(1, 1, 3, 4, requires_grad=True)
+    out = compiled(x, w * 1.0)
+    want = step(x, w * 1.0)
+    torch.testing.assert_close(out, want)
+    writers = [p for p in backend.pieces if "mul_" in p.graph.code]
+    assert writers and not any(p.capturable for p in writers)
