@@ -223,3 +223,18 @@ def test_no_object_is_patched_after_construction():
     assert not found, ("attributes written on objects other than self (hand the value to the constructor, "
                        "or add a method the owner calls; an exception goes in PATCH_ALLOWED with why):\n"
                        + "\n".join(found))
+
+
+def test_pytest_recurses_into_every_test_folder():
+    """pytest skips folders that match `norecursedirs` (by default `build`, `dist`, `venv`,
+    ...): a test folder named so would never run, in CI or anywhere, and nothing would say so."""
+    import fnmatch
+    import tomllib
+
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    patterns = options.get("norecursedirs", ["*.egg", ".*", "_darcs", "build", "CVS", "dist", "node_modules",
+                                             "venv", "{arch}"])
+    folders = [p for p in (ROOT / "tests").rglob("*") if p.is_dir() and p.name != "__pycache__"
+               and any(p.glob("test_*.py"))]
+    skipped = [str(p.relative_to(ROOT)) for p in folders if any(fnmatch.fnmatch(p.name, pat) for pat in patterns)]
+    assert folders and not skipped, f"pytest would not collect these test folders: {skipped}"
