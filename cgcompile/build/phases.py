@@ -37,6 +37,7 @@ from ..passes import (
     find_capture_dim,
     find_padding_hazards,
     find_state_hazards,
+    free_symbols,
     fold_grouped_query_attention,
     fuse_sibling_linears,
     hoist_host_constants,
@@ -225,13 +226,9 @@ def state_written_in_place(gm: torch.fx.GraphModule, example_inputs: list, devic
     for i in written_inputs(gm):
         node, x, traced = placeholders[i], example_inputs[i], example_value(placeholders[i])
         if (type(x) is torch.Tensor and x.device == device and not x.requires_grad
-                and input_name(node) != capture_input and isinstance(traced, torch.Tensor) and not _symbolic(traced)):
+                and input_name(node) != capture_input and isinstance(traced, torch.Tensor) and not free_symbols(traced)):
             chosen.add(node.name)
     return frozenset(chosen)
-
-
-def _symbolic(t: torch.Tensor) -> bool:
-    return any(isinstance(v, torch.SymInt) for v in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 # Why a graph that needs gradients runs without CUDA graphs (`without_graphs_for_autograd`).

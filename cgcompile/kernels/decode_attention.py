@@ -206,9 +206,8 @@ def attention_with_kernel(query, key, value, attn_mask=None, scale=None, dim_ord
 
 def grouped_attention_with_kernel(query, key, value, attn_mask=None, scale=None, heads_outer=False):
     """`grouped_small_query_attention`'s contract, as `attention_with_kernel` chooses."""
-    layout = (heads_outer,) if heads_outer else ()
     return _with_kernel(torch.ops.cgcompile.grouped_decode_attention, grouped_small_query_attention,
-                        query, key, value, attn_mask, scale, extra=layout)
+                        query, key, value, attn_mask, scale, extra=(heads_outer,))
 
 
 def _with_kernel(op, matmuls, query, key, value, attn_mask, scale, dim_order=None, extra=()):
