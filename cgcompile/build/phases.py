@@ -226,7 +226,8 @@ def state_written_in_place(gm: torch.fx.GraphModule, example_inputs: list, devic
     for i in written_inputs(gm):
         node, x, traced = placeholders[i], example_inputs[i], example_value(placeholders[i])
         if (type(x) is torch.Tensor and x.device == device and not x.requires_grad
-                and input_name(node) != capture_input and isinstance(traced, torch.Tensor) and not free_symbols(traced)):
+                and input_name(node) != capture_input and isinstance(traced, torch.Tensor)
+                and not free_symbols(traced)):
             chosen.add(node.name)
     return frozenset(chosen)
 
