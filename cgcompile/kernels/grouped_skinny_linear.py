@@ -15,13 +15,15 @@ any operands: it runs the kernel where `group_problem` finds nothing against it 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import expect
-from .skinny_linear import Launch, cdiv, choose_launch, kernel_problem, launch_arguments, one_row
+from .skinny_linear import (Launch, cdiv, choose_launch, kernel_problem, launch_arguments, next_power_of_2, one_row,
+                           short_steps_launch)
 
 MAX_MEMBERS = 4  # the kernel's weight arguments: q/k/v take 3, gate/up 2
 
@@ -41,8 +43,13 @@ def grouped_launch(features: Sequence[int], k: int) -> Launch:
     """One launch for the whole group, its blocks sized as for the largest member alone. Sized
     for all the members' features as one weight, two 3584 x 4096 siblings (gate/up of a TP=4
     8B rank) got blocks twice as tall and ran 22.0 us against 19.3 us for two separate
-    launches (H200, `benchmarks/skinny_sweep.py --groups`); q/k/v groups get the same blocks either way."""
-    return choose_launch(max(features), k)
+    launches (H200, `benchmarks/skinny_sweep.py --groups`); q/k/v groups get the same blocks either way.
+    Under 4096 features the short steps stay: the long steps a lone product takes there were
+    slower at 3 of 4 q/k/v groups measured (`launch_rules.py --part groups`)."""
+    widest = max(features)
+    if widest < 4096:
+        return dataclasses.replace(short_steps_launch(widest), block_k=min(1024, next_power_of_2(k)))
+    return choose_launch(widest, k)
 
 
 def grouped_kernel_call(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = (),

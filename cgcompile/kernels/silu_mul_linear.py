@@ -35,7 +35,7 @@ def silu_mul_kernel_call(gate: torch.Tensor, up: torch.Tensor, weight: torch.Ten
     from .skinny_linear_kernel import silu_mul_linear_kernel
 
     n, k = weight.shape
-    launch = choose_launch(n, k)
+    launch = choose_launch(n, k, gated=True)
     y = torch.empty(n, dtype=gate.dtype, device=gate.device)
     silu_mul_linear_kernel[(cdiv(n, launch.block_n),)](
         one_row(gate, k), one_row(up, k), weight, bias if bias is not None else weight, y, n, k, weight.stride(0),

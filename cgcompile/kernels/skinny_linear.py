@@ -37,16 +37,26 @@ class Launch:
     num_stages: int = 3
 
 
-def choose_launch(n: int, k: int) -> Launch:
-    """The launch for a [k] x [n, k]^T product, from `benchmarks/skinny_sweep.py` on an H200.
+def choose_launch(n: int, k: int, gated: bool = False) -> Launch:
+    """The launch for a [k] x [n, k]^T product (`gated`: the SiLU-gated kernel's, which makes
+    its input from two vectors as it loads them), from sweeps on an H200.
 
-    Under 4096 features: n / 512 features a program (a power of 2, 1 to 8) in steps of 1024
-    along K came within 6% of the best of 48 launches at every shape measured. From 4096 up,
-    taller blocks over shorter steps (`--wide`) read faster: a program then keeps several
-    steps' loads in flight even where K is short, and the grid stays a few hundred to a few
-    thousand programs. Each band's launch came within 4% of the best of 56 launches at every
-    shape measured in it (4096 to 28672 features, K of 1024 to 14336), and read faster than
-    cuBLAS at all of them (1.02x to 1.43x).
+    From 4096 features up, taller blocks over shorter steps along K (`skinny_sweep.py --wide`)
+    read faster: a program then keeps several steps' loads in flight even where K is short,
+    and the grid stays a few hundred to a few thousand programs. Each band's launch came
+    within 4% of the best of 56 launches at every shape measured in it (4096 to 28672
+    features, K of 1024 to 14336), and read faster than cuBLAS at all of them (1.02x to 1.43x).
+
+    Under 4096 features, where K is 2048 or more, each step loads 64 weight elements a thread
+    (`launch_rules.py`): 4 features over 2048 inputs with 4 warps, which read faster than the
+    short-step launch below at all 11 plain shapes measured (256 to 3072 features, K of 2048
+    to 8192; up to 1.23x). The gated kernel takes 8 features with 8 warps, so that each
+    program's share of the gating (recomputed by every program) is spread over twice the
+    rows: 1.05x to 1.57x at its 6 shapes of up to 2048 features; past 2048 (3072 x 8192) the
+    short steps were faster, and stay.
+
+    Elsewhere: n / 512 features a program (a power of 2, 1 to 8) in steps of 1024 along K
+    came within 6% of the best of 48 launches at every shape measured (`skinny_sweep.py`).
     """
     if n >= 12288:
         launch = Launch(block_n=32, block_k=256, num_warps=4)
@@ -54,12 +64,21 @@ def choose_launch(n: int, k: int) -> Launch:
         launch = Launch(block_n=16, block_k=512, num_warps=4)
     elif n >= 4096:
         launch = Launch(block_n=8, block_k=512, num_warps=8)
+    elif k >= 2048 and gated and n <= 2048:
+        launch = Launch(block_n=8, block_k=2048, num_warps=8)
+    elif k >= 2048 and not gated:
+        launch = Launch(block_n=4, block_k=2048, num_warps=4)
     else:
-        block_n = 1
-        while block_n < 8 and block_n * 2 * 512 <= n:
-            block_n *= 2
-        launch = Launch(block_n=block_n, block_k=1024)
+        launch = short_steps_launch(n)
     return dataclasses.replace(launch, block_k=min(launch.block_k, next_power_of_2(k)))
+
+
+def short_steps_launch(n: int) -> Launch:
+    """n / 512 features a program (a power of 2, 1 to 8) in steps of 1024 inputs."""
+    block_n = 1
+    while block_n < 8 and block_n * 2 * 512 <= n:
+        block_n *= 2
+    return Launch(block_n=block_n, block_k=1024)
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:

@@ -313,7 +313,7 @@ class LamportNormBuffer(_LamportSlots):
         from ..kernels.skinny_linear import cdiv, choose_launch, launch_arguments, one_row
 
         n, k = matrix.shape
-        launch = choose_launch(n, k)
+        launch = choose_launch(n, k, gated=up is not None)
         lamport = {name: self._constants[name] for name in ("RANK", "WORLD", "SLOT", "BITS", "SENTINEL")}
         total, normed = torch.empty_like(residual), torch.empty_like(residual)
         row = one_row(x, k)

@@ -14,7 +14,7 @@ import cgcompile
 from cgcompile.build.post_grad import PostGradPass
 from cgcompile.kernels.grouped_skinny_linear import (  # noqa: F401 (grouped_skinny_linear registers the op)
     MAX_MEMBERS, group_problem, grouped_kernel_call, grouped_launch, grouped_skinny_linear)
-from cgcompile.kernels.skinny_linear import MAX_FEATURES, choose_launch, skinny_linear  # noqa: F401
+from cgcompile.kernels.skinny_linear import MAX_FEATURES, Launch, choose_launch, skinny_linear  # noqa: F401
 from cgcompile.passes.skinny_groups import find_skinny_groups, rewrite_skinny_groups
 from cgcompile.passes.skinny_linear import find_skinny_linears
 from cgcompile.testing.models import RMSNorm
@@ -289,9 +289,12 @@ def test_the_pass_names_the_groups_in_its_key():
 
 
 def test_the_group_launch_is_chosen_for_its_largest_member():
-    assert grouped_launch([2048, 256, 256], 2048) == choose_launch(2048, 2048)
+    assert grouped_launch([4096, 1024, 1024], 4096) == choose_launch(4096, 4096)
+    # under 4096 features the short steps stay, where a lone product takes long ones
+    assert grouped_launch([2048, 256, 256], 2048) == Launch(block_n=4, block_k=1024) != choose_launch(2048, 2048)
+    assert grouped_launch([1536, 256, 256], 1536) == Launch(block_n=2, block_k=1024)
     # gate/up of a TP=4 8B rank: blocks as for one 3584-feature weight, not for 7168 features
-    assert grouped_launch([3584, 3584], 4096) == choose_launch(3584, 4096) != choose_launch(7168, 4096)
+    assert grouped_launch([3584, 3584], 4096) == Launch(block_n=4, block_k=1024) != choose_launch(7168, 4096)
 
 
 def test_the_grouped_kernel_under_the_triton_interpreter(run_interpreted):

@@ -142,12 +142,30 @@ def test_the_config_turns_the_rewrite_on_by_default():
 def test_the_launch_grows_taller_and_steps_shorter_from_4096_features():
     from cgcompile.kernels.skinny_linear import Launch, choose_launch
 
-    assert choose_launch(2048, 2048) == Launch(block_n=4, block_k=1024)
     assert choose_launch(256, 100) == Launch(block_n=1, block_k=128)
     assert choose_launch(4096, 14336) == Launch(block_n=8, block_k=512, num_warps=8)
     assert choose_launch(6144, 4096) == Launch(block_n=16, block_k=512, num_warps=4)
     assert choose_launch(16384, 2048) == Launch(block_n=32, block_k=256, num_warps=4)
     assert choose_launch(16384, 100) == Launch(block_n=32, block_k=128, num_warps=4)  # no step past K
+
+
+def test_under_4096_features_a_long_k_takes_long_steps_and_the_gated_kernel_taller_blocks():
+    from cgcompile.kernels.skinny_linear import Launch, choose_launch
+
+    # 64 weight elements a thread a step where K allows a 2048-long step
+    assert choose_launch(2048, 2048) == Launch(block_n=4, block_k=2048)
+    assert choose_launch(3072, 4096) == Launch(block_n=4, block_k=2048)
+    assert choose_launch(256, 8192) == Launch(block_n=4, block_k=2048)
+    # shorter K: the short steps, n / 512 features a program
+    assert choose_launch(2048, 1024) == Launch(block_n=4, block_k=1024)
+    assert choose_launch(896, 896) == Launch(block_n=1, block_k=1024)
+    # the gated kernel: 8 features over 8 warps up to 2048 features, short steps past them
+    assert choose_launch(2048, 8192, gated=True) == Launch(block_n=8, block_k=2048, num_warps=8)
+    assert choose_launch(896, 4864, gated=True) == Launch(block_n=8, block_k=2048, num_warps=8)
+    assert choose_launch(3072, 8192, gated=True) == Launch(block_n=4, block_k=1024)
+    assert choose_launch(2048, 1024, gated=True) == Launch(block_n=4, block_k=1024)
+    # from 4096 features the gated kernel takes the plain one's launch
+    assert choose_launch(4096, 14336, gated=True) == choose_launch(4096, 14336)
 
 
 def test_the_kernel_under_the_triton_interpreter(run_interpreted):
