@@ -48,15 +48,17 @@ def choose_launch(n: int, k: int, gated: bool = False) -> Launch:
     features, K of 1024 to 14336), and read faster than cuBLAS at all of them (1.02x to 1.43x).
 
     Under 4096 features, where K is 2048 or more, each step loads 64 weight elements a thread
-    (`launch_rules.py`): 4 features over 2048 inputs with 4 warps, which read faster than the
-    short-step launch below at all 11 plain shapes measured (256 to 3072 features, K of 2048
-    to 8192; up to 1.23x). The gated kernel takes 8 features with 8 warps, so that each
-    program's share of the gating (recomputed by every program) is spread over twice the
-    rows: 1.05x to 1.57x at its 6 shapes of up to 2048 features; past 2048 (3072 x 8192) the
-    short steps were faster, and stay.
+    (`benchmarks/launch_rules.py`): 4 features over 2048 inputs with 4 warps, as fast as the
+    short-step launch below or faster at all 11 plain shapes measured (256 to 3072 features,
+    K of 2048 to 8192; up to 1.22x). The gated kernel takes 8 features with 8 warps, so that
+    the gating each program recomputes for its steps is spread over twice the rows: 1.15x to
+    1.53x at its 6 shapes of up to 2048 features; past 2048 (3072 x 8192) the short steps
+    were faster, and stay.
 
     Elsewhere: n / 512 features a program (a power of 2, 1 to 8) in steps of 1024 along K
-    came within 6% of the best of 48 launches at every shape measured (`skinny_sweep.py`).
+    came within 6% of the best of 48 launches at every shape `skinny_sweep.py` measured
+    before the kernels took dependent launch, and within 13% of the best of `launch_rules.py`'s
+    launches at the 4 shapes there that keep it.
     """
     if n >= 12288:
         launch = Launch(block_n=32, block_k=256, num_warps=4)
