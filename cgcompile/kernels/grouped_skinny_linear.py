@@ -45,7 +45,7 @@ def grouped_launch(features: Sequence[int], k: int) -> Launch:
     8B rank) got blocks twice as tall and ran 22.0 us against 19.3 us for two separate
     launches (H200, `benchmarks/skinny_sweep.py --groups`); q/k/v groups get the same blocks either way.
     Under 4096 features the short steps stay: the long steps a lone product takes there were
-    slower at 3 of 4 q/k/v groups measured (`launch_rules.py --part groups`)."""
+    slower at 3 of 4 q/k/v groups measured (`benchmarks/launch_rules.py --part groups`)."""
     widest = max(features)
     if widest < 4096:
         return dataclasses.replace(short_steps_launch(widest), block_k=min(1024, next_power_of_2(k)))

@@ -41,7 +41,7 @@ def choose_launch(n: int, k: int, gated: bool = False) -> Launch:
     """The launch for a [k] x [n, k]^T product (`gated`: the SiLU-gated kernel's, which makes
     its input from two vectors as it loads them), from sweeps on an H200.
 
-    From 4096 features up, taller blocks over shorter steps along K (`skinny_sweep.py --wide`)
+    From 4096 features up, taller blocks over shorter steps along K (`benchmarks/skinny_sweep.py --wide`)
     read faster: a program then keeps several steps' loads in flight even where K is short,
     and the grid stays a few hundred to a few thousand programs. Each band's launch came
     within 4% of the best of 56 launches at every shape measured in it (4096 to 28672
@@ -56,9 +56,9 @@ def choose_launch(n: int, k: int, gated: bool = False) -> Launch:
     were faster, and stay.
 
     Elsewhere: n / 512 features a program (a power of 2, 1 to 8) in steps of 1024 along K
-    came within 6% of the best of 48 launches at every shape `skinny_sweep.py` measured
-    before the kernels took dependent launch, and within 13% of the best of `launch_rules.py`'s
-    launches at the 4 shapes there that keep it.
+    came within 6% of the best of 48 launches at every shape `benchmarks/skinny_sweep.py`
+    measured before the kernels took dependent launch, and within 13% of the best of
+    `benchmarks/launch_rules.py`'s launches at the 4 shapes there that keep it.
     """
     if n >= 12288:
         launch = Launch(block_n=32, block_k=256, num_warps=4)
