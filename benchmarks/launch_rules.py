@@ -22,7 +22,7 @@ from skinny_sweep import L2_BYTES, time_graph
 
 from cgcompile.kernels.grouped_skinny_linear import grouped_kernel_call, grouped_launch
 from cgcompile.kernels.silu_mul_linear import silu_mul_kernel_call
-from cgcompile.kernels.skinny_linear import (Launch, cdiv, choose_launch, launch_arguments, next_power_of_2, one_row,
+from cgcompile.kernels.skinny_linear import (Launch, cdiv, choose_launch, launch_arguments, no_step_past, one_row,
                                              short_steps_launch)
 
 FIXED = {"A": Launch(4, 2048, 4), "B": Launch(8, 2048, 8), "C": Launch(2, 2048, 4), "D": Launch(2, 1024, 4),
@@ -31,11 +31,6 @@ PLAIN = [(256, 2048), (512, 4096), (1024, 2048), (1024, 4096), (1536, 4096), (20
          (3072, 2048), (3072, 4096), (2560, 8192), (896, 896), (1536, 1536), (2048, 1024), (4096, 1024), (4096, 2048)]
 GATED = [(2048, 5632), (2048, 8192), (1536, 8960), (896, 4864), (1024, 4096), (3072, 8192), (2048, 2816)]
 GROUPS = [((2048, 256, 256), 2048), ((1024, 256, 256), 4096), ((1536, 256, 256), 1536), ((2048, 512, 512), 4096)]
-
-
-def capped(launch: Launch, k: int) -> Launch:
-    """`launch` with no step past K, as `choose_launch` caps its own."""
-    return Launch(launch.block_n, min(launch.block_k, next_power_of_2(k)), launch.num_warps, launch.num_stages)
 
 
 def gated_call(gate, up, weight, launch: Launch):
@@ -83,8 +78,8 @@ def case(part: str, shape, device, peak: float, replays: int) -> dict:
         chosen = choose_launch(features[0], k)
         want = xs[0].float() @ weights[0][0].float().T
         got = lambda launch: plain_call(xs[0], weights[0][0], launch)  # noqa: E731
-    launches = {"chosen": chosen, "short": capped(short_steps_launch(max(features)), k),
-                **{name: capped(launch, k) for name, launch in FIXED.items()}}
+    launches = {"chosen": chosen, "short": short_steps_launch(max(features), k),
+                **{name: no_step_past(launch, k) for name, launch in FIXED.items()}}
     row = {"features": list(features), "k": k, "bytes_us": nbytes / peak / 1e3,
            "launches": {name: [l.block_n, l.block_k, l.num_warps] for name, l in launches.items()}}
     for name, launch in launches.items():

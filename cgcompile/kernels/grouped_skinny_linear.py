@@ -15,14 +15,13 @@ any operands: it runs the kernel where `group_problem` finds nothing against it 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import expect
-from .skinny_linear import (Launch, cdiv, choose_launch, kernel_problem, launch_arguments, next_power_of_2, one_row,
+from .skinny_linear import (Launch, cdiv, choose_launch, kernel_problem, launch_arguments, one_row,
                            short_steps_launch)
 
 MAX_MEMBERS = 4  # the kernel's weight arguments: q/k/v take 3, gate/up 2
@@ -47,9 +46,7 @@ def grouped_launch(features: Sequence[int], k: int) -> Launch:
     Under 4096 features the short steps stay: the long steps a lone product takes there were
     slower at 3 of 4 q/k/v groups measured (`benchmarks/launch_rules.py --part groups`)."""
     widest = max(features)
-    if widest < 4096:
-        return dataclasses.replace(short_steps_launch(widest), block_k=min(1024, next_power_of_2(k)))
-    return choose_launch(widest, k)
+    return short_steps_launch(widest, k) if widest < 4096 else choose_launch(widest, k)
 
 
 def grouped_kernel_call(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor] = (),

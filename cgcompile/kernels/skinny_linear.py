@@ -71,16 +71,21 @@ def choose_launch(n: int, k: int, gated: bool = False) -> Launch:
     elif k >= 2048 and not gated:
         launch = Launch(block_n=4, block_k=2048, num_warps=4)
     else:
-        launch = short_steps_launch(n)
-    return dataclasses.replace(launch, block_k=min(launch.block_k, next_power_of_2(k)))
+        return short_steps_launch(n, k)
+    return no_step_past(launch, k)
 
 
-def short_steps_launch(n: int) -> Launch:
+def short_steps_launch(n: int, k: int) -> Launch:
     """n / 512 features a program (a power of 2, 1 to 8) in steps of 1024 inputs."""
     block_n = 1
     while block_n < 8 and block_n * 2 * 512 <= n:
         block_n *= 2
-    return Launch(block_n=block_n, block_k=1024)
+    return no_step_past(Launch(block_n=block_n, block_k=1024), k)
+
+
+def no_step_past(launch: Launch, k: int) -> Launch:
+    """`launch` with its steps along K no longer than K's next power of 2."""
+    return dataclasses.replace(launch, block_k=min(launch.block_k, next_power_of_2(k)))
 
 
 def kernel_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
